@@ -1,0 +1,5 @@
+// bsattn: block-sparse attention. Include this header for the whole public API.
+#pragma once
+#include "bsattn/plan.hpp"
+#include "bsattn/problem.hpp"
+#include "bsattn/tensor.hpp"

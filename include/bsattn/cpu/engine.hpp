@@ -1,0 +1,290 @@
+// The CPU engine: route preparation and an online-softmax walk over the route stream, fp32
+// accumulation, multithreaded over (route row, query head). Header-only so that a custom mask
+// functor is inlined into it (custom_mask.hpp); the library instantiates it without one.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "bsattn/attention_params.hpp"
+#include "bsattn/cpu/numeric.hpp"
+#include "bsattn/cpu/thread_pool.hpp"
+#include "bsattn/route/prepare.hpp"
+#include "bsattn/tensor.hpp"
+
+namespace bsattn::cpu {
+
+// No custom functor: the built-in mask is the whole mask.
+struct NoTokenMask {
+  static constexpr bool kActive = false;
+  bool operator()(int, int, int, int) const { return true; }
+};
+
+// Adapts a user functor bool(b, h, q, kv) to route preparation's whole-block question.
+template <class TokenMask>
+struct WholeBlockQuery {
+  const TokenMask* mask;
+  int heads_per_sparsity_head;
+  bool keeps_whole(int b, int hs, int q0, int q1, int k0, int k1) const {
+    if constexpr (!TokenMask::kActive) return true;
+    for (int h = hs * heads_per_sparsity_head; h < (hs + 1) * heads_per_sparsity_head; ++h)
+      for (int q = q0; q < q1; ++q)
+        for (int kv = k0; kv < k1; ++kv)
+          if (!(*mask)(b, h, q, kv)) return false;
+    return true;
+  }
+};
+
+// Floats of scratch each worker thread needs.
+inline std::size_t scratch_floats(int tile_m, int tile_n, int head_dim) {
+  const std::size_t m = tile_m, n = tile_n, d = head_dim;
+  return m * d /*q*/ + m * d /*acc*/ + d * n /*k^T*/ + n * d /*v*/ + n /*scores*/ + 2 * m /*max, sum*/ + 2 * d;
+}
+
+struct RowOverflow {
+  int row = -1;
+  int needed = 0;
+};
+
+// Fills routes[row * capacity ...] and counts[row]; reports the first overflowing row, if any.
+template <class TokenMask>
+RowOverflow prepare_routes(const AttentionParams& a, route::Route* routes, std::int32_t* counts, ThreadPool& pool,
+                           const TokenMask& mask) {
+  const route::RouteParams& p = a.route;
+  const WholeBlockQuery<TokenMask> whole{&mask, p.heads_q / p.sparsity_heads};
+  std::atomic<std::int64_t> first_overflow{std::numeric_limits<std::int64_t>::max()};
+  pool.parallel_for(a.route_rows, [&](std::int64_t row, int) {
+    const int needed = route::prepare_row(p, static_cast<int>(row), routes + row * p.capacity, whole);
+    counts[row] = std::min(needed, p.capacity);
+    if (needed > p.capacity) {
+      std::int64_t seen = first_overflow.load();
+      const std::int64_t mine = (row << 32) | static_cast<std::uint32_t>(needed);
+      while (mine < seen && !first_overflow.compare_exchange_weak(seen, mine)) {
+      }
+    }
+  });
+  RowOverflow o;
+  const std::int64_t v = first_overflow.load();
+  if (v != std::numeric_limits<std::int64_t>::max()) {
+    o.row = static_cast<int>(v >> 32);
+    o.needed = static_cast<int>(v & 0xffffffff);
+  }
+  return o;
+}
+
+namespace detail {
+
+inline float load(const void* base, std::int64_t i, ElementType t) {
+  switch (t) {
+    case ElementType::f32: return static_cast<const float*>(base)[i];
+    case ElementType::f16: return half_to_float(static_cast<const std::uint16_t*>(base)[i]);
+    case ElementType::bf16: return bf16_to_float(static_cast<const std::uint16_t*>(base)[i]);
+  }
+  return 0.0f;
+}
+
+inline void load_row(const void* base, std::int64_t offset, int n, ElementType t, float* dst) {
+  switch (t) {
+    case ElementType::f32: {
+      const float* src = static_cast<const float*>(base) + offset;
+      std::copy(src, src + n, dst);
+      break;
+    }
+    case ElementType::f16: {
+      const std::uint16_t* src = static_cast<const std::uint16_t*>(base) + offset;
+      for (int i = 0; i < n; ++i) dst[i] = half_to_float(src[i]);
+      break;
+    }
+    case ElementType::bf16: {
+      const std::uint16_t* src = static_cast<const std::uint16_t*>(base) + offset;
+      for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+      break;
+    }
+  }
+}
+
+inline void store_row(void* base, std::int64_t offset, int n, ElementType t, const float* src) {
+  switch (t) {
+    case ElementType::f32: std::copy(src, src + n, static_cast<float*>(base) + offset); break;
+    case ElementType::f16: {
+      std::uint16_t* dst = static_cast<std::uint16_t*>(base) + offset;
+      for (int i = 0; i < n; ++i) dst[i] = float_to_half(src[i]);
+      break;
+    }
+    case ElementType::bf16: {
+      std::uint16_t* dst = static_cast<std::uint16_t*>(base) + offset;
+      for (int i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+      break;
+    }
+  }
+}
+
+// Online softmax state of one query row: running max m, running sum l, accumulator acc[D].
+struct RowState {
+  float* acc;
+  float& m;
+  float& l;
+};
+
+// Rescales the state to a new running max; returns the factor for the incoming terms' base.
+inline void rescale(RowState s, float new_max, int d) {
+  if (new_max <= s.m) return;
+  const float c = s.m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(s.m - new_max);
+  s.l *= c;
+  for (int i = 0; i < d; ++i) s.acc[i] *= c;
+  s.m = new_max;
+}
+
+}  // namespace detail
+
+// Attends one (route row, query head) work item and writes its O rows and LSE.
+template <class TokenMask>
+void attend_item(const AttentionParams& a, int row, int h, float* scratch, const TokenMask& mask) {
+  using detail::RowState;
+  const route::RouteParams& p = a.route;
+  const route::RowCoordinates rc = route::row_coordinates(p, row);
+  const route::SeqInfo s = route::seq_info(p, rc.b);
+  const int q0 = rc.q_tile * p.tile_m;
+  if (q0 >= s.seqlen_q) return;
+  const int rows = std::min(p.tile_m, s.seqlen_q - q0);
+  const int d = a.head_dim, tn = p.tile_n;
+  const int hkv = h / (p.heads_q / p.heads_kv);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  float* q = scratch;
+  float* acc = q + static_cast<std::size_t>(p.tile_m) * d;
+  float* kt = acc + static_cast<std::size_t>(p.tile_m) * d;
+  float* v = kt + static_cast<std::size_t>(d) * tn;
+  float* score = v + static_cast<std::size_t>(tn) * d;
+  float* row_max = score + tn;
+  float* row_sum = row_max + p.tile_m;
+  float* tmp = row_sum + p.tile_m;  // 2 * d
+
+  for (int r = 0; r < rows; ++r) {
+    detail::load_row(a.q, a.q_offset(rc.b, s, q0 + r, h), d, a.in_type, q + r * d);
+    for (int i = 0; i < d; ++i) q[r * d + i] *= a.scale;
+    std::fill(acc + r * d, acc + (r + 1) * d, 0.0f);
+    row_max[r] = neg_inf;
+    row_sum[r] = 0.0f;
+  }
+
+  const route::Route* routes = a.routes + static_cast<std::int64_t>(row) * p.capacity;
+  const int count = a.route_counts[row];
+  for (int ri = 0; ri < count; ++ri) {
+    const route::Route rt = routes[ri];
+    if (rt.kind == static_cast<std::uint8_t>(route::RouteKind::exact)) {
+      const int k0 = rt.index * tn;
+      const int nk = std::min(tn, s.seqlen_kv - k0);
+      for (int j = 0; j < nk; ++j) {
+        detail::load_row(a.k, a.kv_offset(rc.b, s, k0 + j, hkv, a.k_batch_stride, a.k_token_stride, a.k_head_stride),
+                         d, a.in_type, tmp);
+        for (int i = 0; i < d; ++i) kt[i * tn + j] = tmp[i];
+        detail::load_row(a.v, a.kv_offset(rc.b, s, k0 + j, hkv, a.v_batch_stride, a.v_token_stride, a.v_head_stride),
+                         d, a.in_type, v + j * d);
+      }
+      for (int r = 0; r < rows; ++r) {
+        const int unit = r / p.unit_m;
+        if (!((rt.rows >> unit) & 1u)) continue;
+        const float* qr = q + r * d;
+        std::fill(score, score + nk, 0.0f);
+        for (int i = 0; i < d; ++i) {
+          const float qi = qr[i];
+          const float* kti = kt + i * tn;
+          for (int j = 0; j < nk; ++j) score[j] += qi * kti[j];
+        }
+        if ((rt.masked >> unit) & 1u) {
+          for (int j = 0; j < nk; ++j)
+            if (!route::token_visible(p, s, rc.b, q0 + r, k0 + j) || !mask(rc.b, h, q0 + r, k0 + j)) score[j] = neg_inf;
+        }
+        float mx = neg_inf;
+        for (int j = 0; j < nk; ++j) mx = std::max(mx, score[j]);
+        if (mx == neg_inf) continue;
+        RowState st{acc + r * d, row_max[r], row_sum[r]};
+        detail::rescale(st, mx, d);
+        float sum = 0.0f;
+        for (int j = 0; j < nk; ++j) {
+          const float pj = std::exp(score[j] - st.m);
+          sum += pj;
+          if (pj == 0.0f) continue;
+          const float* vj = v + j * d;
+          for (int i = 0; i < d; ++i) st.acc[i] += pj * vj[i];
+        }
+        st.l += sum;
+      }
+    } else {  // proxy: one summary term, weight exp(s) * n_j on the summed V (SPEC §6)
+      const int j = rt.index;
+      const int n_j = std::min(p.block_kv, s.seqlen_kv - j * p.block_kv);
+      const std::int64_t ks = rc.b * a.summary_batch_stride + j * a.summary_block_stride + hkv * a.summary_head_stride;
+      const std::int64_t vs = rc.b * a.v_summary_batch_stride + j * a.v_summary_block_stride + hkv * a.v_summary_head_stride;
+      detail::load_row(a.k_summary, ks, d, a.in_type, tmp);
+      detail::load_row(a.v_summary, vs, d, a.in_type, tmp + d);
+      const float log_n = std::log(static_cast<float>(n_j));
+      for (int r = 0; r < rows; ++r) {
+        if (!((rt.rows >> (r / p.unit_m)) & 1u)) continue;
+        float dot = 0.0f;
+        for (int i = 0; i < d; ++i) dot += q[r * d + i] * tmp[i];
+        RowState st{acc + r * d, row_max[r], row_sum[r]};
+        detail::rescale(st, dot + log_n, d);
+        const float w = std::exp(dot - st.m);
+        st.l += w * static_cast<float>(n_j);
+        for (int i = 0; i < d; ++i) st.acc[i] += w * tmp[d + i];
+      }
+    }
+  }
+
+  for (int r = 0; r < rows; ++r) {
+    float* o = acc + r * d;
+    const bool empty = row_sum[r] == 0.0f;
+    const float inv = empty ? 0.0f : 1.0f / row_sum[r];
+    for (int i = 0; i < d; ++i) o[i] *= inv;
+    detail::store_row(a.out, a.out_offset(rc.b, s, q0 + r, h), d, a.out_type, o);
+    if (a.lse) a.lse[a.lse_offset(rc.b, s, q0 + r, h)] = empty ? neg_inf : row_max[r] + std::log(row_sum[r]);
+  }
+}
+
+// Attends every route row for every query head of its sparsity head.
+template <class TokenMask>
+void attend(const AttentionParams& a, ThreadPool& pool, float* scratch, std::size_t scratch_per_thread,
+            const TokenMask& mask) {
+  const int group = a.route.heads_q / a.route.sparsity_heads;
+  pool.parallel_for(static_cast<std::int64_t>(a.route_rows) * group, [&](std::int64_t item, int thread) {
+    const int row = static_cast<int>(item / group);
+    const int hs = route::row_coordinates(a.route, row).hs;
+    attend_item(a, row, hs * group + static_cast<int>(item % group), scratch + thread * scratch_per_thread, mask);
+  });
+}
+
+}  // namespace bsattn::cpu
+
+namespace bsattn::cpu {
+
+// What a plan hands the CPU engine: its preallocated workspace.
+struct Workspace {
+  route::Route* routes = nullptr;
+  std::int32_t* counts = nullptr;
+  ThreadPool* pool = nullptr;
+  float* scratch = nullptr;
+  std::size_t scratch_per_thread = 0;
+};
+
+// Prepare routes, then attend. Throws bsattn::Error on route-capacity overflow, before any
+// output is written.
+template <class TokenMask>
+void run(AttentionParams& a, const Workspace& ws, const TokenMask& mask) {
+  a.routes = ws.routes;
+  a.route_counts = ws.counts;
+  const RowOverflow o = prepare_routes(a, ws.routes, ws.counts, *ws.pool, mask);
+  if (o.row >= 0) {
+    const route::RowCoordinates c = route::row_coordinates(a.route, o.row);
+    throw Error("max_routes_per_row", "route row (b=" + std::to_string(c.b) + ", hs=" + std::to_string(c.hs) +
+                                          ", q_tile=" + std::to_string(c.q_tile) + ") needs " +
+                                          std::to_string(o.needed) + " routes; capacity is " +
+                                          std::to_string(a.route.capacity));
+  }
+  attend(a, *ws.pool, ws.scratch, ws.scratch_per_thread, mask);
+}
+
+}  // namespace bsattn::cpu

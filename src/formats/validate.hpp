@@ -1,0 +1,20 @@
+// Validation of problems and bound tensors (SPEC §8). Every check throws bsattn::Error naming the
+// argument, and the row and value where there is one; none writes anything.
+#pragma once
+#include "bsattn/plan.hpp"
+
+namespace bsattn::formats {
+
+// Plan time: sizes, head divisibility, supported block and tile sizes, format/feature combinations.
+void validate_problem(const Problem& problem, const TileShape& tiles);
+
+// Every run: ranks, shapes, dtypes, strides, alignment, devices, int32 extents, presence of the
+// tensors the problem's features need, outputs not overlapping inputs.
+void validate_structure(const Problem& problem, const Inputs& inputs, const Outputs& outputs);
+
+// validate = true: metadata values (indices in range, ascending and unique, counts within
+// capacity, monotone indptr / cu_*, page ids in range, lengths within the cache). Reads host
+// copies of the metadata tensors.
+void validate_values(const Problem& problem, const TileShape& tiles, const Inputs& inputs);
+
+}  // namespace bsattn::formats

@@ -1,0 +1,20 @@
+// Route preparation on the GPU: the same prepare_row() as the CPU engine, one thread per route
+// row, no host synchronisation. Overflow raises a device-side flag the plan reports later.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "bsattn/attention_params.hpp"
+
+namespace bsattn::gpu {
+
+// Fills params.routes / params.route_counts (device pointers) for every route row. `overflow`
+// (device int[2]) receives {row + 1, needed} of the first overflowing row it meets, else stays 0.
+cudaError_t prepare_routes(const AttentionParams& params, route::Route* routes, std::int32_t* counts,
+                           std::int32_t* overflow, cudaStream_t stream);
+
+// Derives cu_total_m_blocks and cu_block_idx_offsets ([B+1] each, device) from the sequence
+// lengths in `route` (SPEC §3.2) without a host sync.
+cudaError_t derive_varlen_block_offsets(const route::RouteParams& route, std::int32_t* cu_total_m_blocks,
+                                        std::int32_t* cu_block_idx_offsets, cudaStream_t stream);
+
+}  // namespace bsattn::gpu
