@@ -2,4 +2,5 @@
 #pragma once
 #include "bsattn/plan.hpp"
 #include "bsattn/problem.hpp"
+#include "bsattn/summary.hpp"
 #include "bsattn/tensor.hpp"

@@ -1,0 +1,16 @@
+// The proxy summary builder (SPEC §6): per KV block j of each sequence and KV head,
+//   k_summary[b, j, h, :] = mean of K over the block's in-range tokens,
+//   v_summary[b, j, h, :] = sum of V over them,
+// accumulated in fp32 and rounded once to the K/V dtype. Blocks past a sequence's end are zero.
+#pragma once
+#include "bsattn/plan.hpp"
+
+namespace bsattn {
+
+// Reads inputs.k / inputs.v and the KV length metadata of `problem`'s layout (cu_seqlens_k and
+// seqused_k, or block_table and seq_lens_kv); writes k_summary and v_summary, each
+// [B, ceil(max_seqlen_kv / Bk), Hkv, D] in problem.dtype. CPU tensors only in this build.
+void build_summaries(const Problem& problem, const Inputs& inputs, const TensorView& k_summary,
+                     const TensorView& v_summary);
+
+}  // namespace bsattn

@@ -1,0 +1,75 @@
+#include "bsattn/summary.hpp"
+
+#include <algorithm>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bsattn/cpu/engine.hpp"
+#include "formats/bind.hpp"
+#include "formats/validate.hpp"
+
+namespace bsattn {
+namespace {
+
+void expect_summary(const char* name, const TensorView& t, const Problem& p, int kv_blocks) {
+  const std::int64_t want[4] = {p.batch, kv_blocks, p.heads_kv, p.head_dim};
+  bool ok = t.defined() && t.rank == 4 && t.stride[3] == 1;
+  for (int i = 0; ok && i < 4; ++i) ok = t.shape[i] == want[i];
+  if (!ok)
+    throw Error(name, "expected a [" + std::to_string(want[0]) + ", " + std::to_string(want[1]) + ", " +
+                          std::to_string(want[2]) + ", " + std::to_string(want[3]) +
+                          "] tensor with a contiguous last dimension, got " + t.shape_string());
+  if (t.dtype != p.dtype) throw Error(name, std::string("dtype ") + to_string(t.dtype) + ", expected " + to_string(p.dtype));
+  if (t.device != Device::cpu) throw Error(name, "must be a CPU tensor in this build");
+}
+
+}  // namespace
+
+void build_summaries(const Problem& problem, const Inputs& inputs, const TensorView& k_summary,
+                     const TensorView& v_summary) {
+  if (problem.device != Device::cpu) throw Error("problem.device", "build_summaries runs on the CPU in this build");
+  const TileShape tiles = choose_tiles(problem);
+  formats::validate_problem(problem, tiles);
+  const int kv_blocks = route::ceil_div(problem.max_seqlen_kv, problem.block.kv);
+  expect_summary("k_summary", k_summary, problem, kv_blocks);
+  expect_summary("v_summary", v_summary, problem, kv_blocks);
+
+  // Bind with the summaries as the only "output": the KV addressing is the engines' own.
+  Problem kv_only = problem;
+  kv_only.proxy = Proxy::off;
+  AttentionParams a = formats::bind(kv_only, tiles, 0, inputs, Outputs{});
+  const ElementType type = a.in_type;
+  const int d = problem.head_dim, bk = problem.block.kv;
+
+  const std::int64_t items = static_cast<std::int64_t>(problem.batch) * kv_blocks * problem.heads_kv;
+  const int threads = problem.num_threads > 0 ? problem.num_threads
+                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  cpu::ThreadPool pool(threads);
+  std::vector<float> scratch(static_cast<std::size_t>(pool.size()) * 3 * d);
+  pool.parallel_for(items, [&](std::int64_t item, int thread) {
+    const int h = static_cast<int>(item % problem.heads_kv);
+    const int j = static_cast<int>((item / problem.heads_kv) % kv_blocks);
+    const int b = static_cast<int>(item / (static_cast<std::int64_t>(problem.heads_kv) * kv_blocks));
+    const route::SeqInfo s = route::seq_info(a.route, b);
+    float* k_acc = scratch.data() + static_cast<std::size_t>(thread) * 3 * d;
+    float* v_acc = k_acc + d;
+    float* row = v_acc + d;
+    std::fill(k_acc, k_acc + 2 * d, 0.0f);
+    const int k0 = j * bk, k1 = std::min(k0 + bk, s.seqlen_kv);
+    for (int kv = k0; kv < k1; ++kv) {
+      cpu::detail::load_row(a.k, a.kv_offset(b, s, kv, h, a.k_batch_stride, a.k_token_stride, a.k_head_stride), d, type, row);
+      for (int i = 0; i < d; ++i) k_acc[i] += row[i];
+      cpu::detail::load_row(a.v, a.kv_offset(b, s, kv, h, a.v_batch_stride, a.v_token_stride, a.v_head_stride), d, type, row);
+      for (int i = 0; i < d; ++i) v_acc[i] += row[i];
+    }
+    const float inv_n = k1 > k0 ? 1.0f / static_cast<float>(k1 - k0) : 0.0f;
+    for (int i = 0; i < d; ++i) k_acc[i] *= inv_n;
+    cpu::detail::store_row(k_summary.data, b * k_summary.stride[0] + j * k_summary.stride[1] + h * k_summary.stride[2], d,
+                           type, k_acc);
+    cpu::detail::store_row(v_summary.data, b * v_summary.stride[0] + j * v_summary.stride[1] + h * v_summary.stride[2], d,
+                           type, v_acc);
+  });
+}
+
+}  // namespace bsattn
