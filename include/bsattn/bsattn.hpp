@@ -4,3 +4,4 @@
 #include "bsattn/problem.hpp"
 #include "bsattn/summary.hpp"
 #include "bsattn/tensor.hpp"
+#include "bsattn/varlen.hpp"

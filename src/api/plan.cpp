@@ -103,13 +103,7 @@ void Plan::Impl::derive_varlen_block_offsets(AttentionParams& a) {
   route::RouteParams& p = a.route;
   if (!p.varlen_q || p.format == route::SetFormat::all_blocks || p.format == route::SetFormat::block_lists) return;
   if (p.cu_total_m_blocks && p.cu_block_idx_offsets) return;
-  cu_total_m_blocks[0] = 0;
-  cu_block_idx_offsets[0] = 0;
-  for (int b = 0; b < p.batch; ++b) {
-    const route::SeqInfo s = route::seq_info(p, b);
-    cu_total_m_blocks[b + 1] = cu_total_m_blocks[b] + s.q_blocks;
-    cu_block_idx_offsets[b + 1] = cu_block_idx_offsets[b] + s.q_blocks * s.kv_blocks;
-  }
+  route::varlen_block_offsets(p, cu_total_m_blocks.data(), cu_block_idx_offsets.data());
   if (!p.cu_total_m_blocks) p.cu_total_m_blocks = cu_total_m_blocks.data();
   if (!p.cu_block_idx_offsets) p.cu_block_idx_offsets = cu_block_idx_offsets.data();
 }

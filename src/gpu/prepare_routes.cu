@@ -14,21 +14,8 @@ __global__ void prepare_routes_kernel(const route::RouteParams p, int rows, rout
   if (needed > p.capacity && atomicCAS(overflow, 0, row + 1) == 0) overflow[1] = needed;
 }
 
-// One thread: B is small next to everything else, and a serial scan needs no second pass.
 __global__ void derive_offsets_kernel(const route::RouteParams p, std::int32_t* cu_m, std::int32_t* cu_idx) {
-  route::RouteParams q = p;
-  q.cu_total_m_blocks = nullptr;
-  q.cu_block_idx_offsets = nullptr;
-  std::int32_t m = 0, idx = 0;
-  cu_m[0] = 0;
-  cu_idx[0] = 0;
-  for (int b = 0; b < q.batch; ++b) {
-    const route::SeqInfo s = route::seq_info(q, b);
-    m += s.q_blocks;
-    idx += s.q_blocks * s.kv_blocks;
-    cu_m[b + 1] = m;
-    cu_idx[b + 1] = idx;
-  }
+  route::varlen_block_offsets(p, cu_m, cu_idx);
 }
 
 }  // namespace

@@ -113,4 +113,18 @@ BSATTN_HD SeqInfo seq_info(const RouteParams& p, int b) {
   return s;
 }
 
+// Varlen block-list offsets (SPEC §3.2) from the sequence lengths: [B+1] prefix sums of nQB(b)
+// and nQB(b) * nKB(b). Serial over b: B is small next to everything else.
+BSATTN_HD void varlen_block_offsets(RouteParams p, std::int32_t* cu_total_m_blocks, std::int32_t* cu_block_idx_offsets) {
+  p.cu_total_m_blocks = nullptr;
+  p.cu_block_idx_offsets = nullptr;
+  cu_total_m_blocks[0] = 0;
+  cu_block_idx_offsets[0] = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const SeqInfo s = seq_info(p, b);
+    cu_total_m_blocks[b + 1] = cu_total_m_blocks[b] + s.q_blocks;
+    cu_block_idx_offsets[b + 1] = cu_block_idx_offsets[b] + s.q_blocks * s.kv_blocks;
+  }
+}
+
 }  // namespace bsattn::route
