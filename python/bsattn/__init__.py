@@ -1,0 +1,24 @@
+"""bsattn: block-sparse attention (C++/CUDA) for NumPy, PyTorch, CuPy and JAX tensors.
+
+    import bsattn
+    out = bsattn.attention(q, k, v, bsattn.adapters.from_block_mask(block_mask),
+                           mask=bsattn.Mask(causal=True))
+
+See docs/PYTHON.md. Errors raise `BsattnError` (a ValueError) with the library's message;
+its ``argument`` attribute names the offending argument.
+"""
+
+from . import adapters, sparsity
+from ._api import Plan, Summaries, attention, build_summaries, varlen_block_offsets
+from ._bsattn import BsattnError
+from .adapters import from_block_mask, from_dense_block_mask, from_flash_attention, from_flashinfer_bsr
+from .mask import Mask
+from .sparsity import BSR, AllBlocks, Bitmask, BlockLists, Sparsity, VarlenBlockLists
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllBlocks", "BSR", "Bitmask", "BlockLists", "BsattnError", "Mask", "Plan", "Sparsity", "Summaries",
+    "VarlenBlockLists", "adapters", "attention", "build_summaries", "from_block_mask", "from_dense_block_mask",
+    "from_flash_attention", "from_flashinfer_bsr", "sparsity", "varlen_block_offsets",
+]

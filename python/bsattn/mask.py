@@ -1,0 +1,54 @@
+"""The built-in token mask (SPEC §4), evaluated on partial blocks only."""
+
+from . import _tensors
+
+_ALIGNMENTS = ("bottom_right", "top_left")
+
+
+class Mask:
+    """Terms combine by AND; sink tokens relax the window only::
+
+        visible = causal_ok and (in_window or kv < sink_tokens) and same_document and kv_valid
+
+    * ``causal``: ``kv <= diag(q)``. ``alignment`` places the diagonal: ``"bottom_right"``
+      (``diag(q) = q + Skv - Sq``, FlashAttention's convention) or ``"top_left"`` (``q``).
+      The window uses the same diagonal.
+    * ``window=(left, right)``: ``diag(q) - left <= kv <= diag(q) + right``; ``None`` on a side
+      (or for the whole window) means unlimited. Sliding-window causal attention is
+      ``Mask(causal=True, window=(w, 0))``.
+    * ``sink_tokens``: the first tokens stay visible whatever the window.
+    * ``doc_ids=(doc_q, doc_kv)``: int32 per token (batched ``[B, S]``, varlen ``[total]``,
+      paged ``doc_kv [B, C * page_size]``); a query sees only keys of its own document.
+    * ``kv_valid``: uint32 (or int32) bit words ``[B, ceil(Skv / 32)]``; a cleared bit hides
+      that key.
+    """
+
+    def __init__(self, causal=False, alignment="bottom_right", window=None, sink_tokens=0, doc_ids=None,
+                 kv_valid=None):
+        if alignment not in _ALIGNMENTS:
+            raise _tensors.fail("mask.alignment", f"expected one of {_ALIGNMENTS}, got {alignment!r}")
+        self.causal = bool(causal)
+        self.alignment = alignment
+        left, right = (None, None) if window is None else window
+        self.window_left = -1 if left is None else int(left)
+        self.window_right = -1 if right is None else int(right)
+        self.sink_tokens = int(sink_tokens)
+        if doc_ids is not None and len(doc_ids) != 2:
+            raise _tensors.fail("mask.doc_ids", "expected (doc_q, doc_kv)")
+        self.doc_q, self.doc_kv = (None, None) if doc_ids is None else map(_tensors.to_int32, doc_ids)
+        self.kv_valid = _tensors.to_int32(kv_valid)
+
+    def options(self):
+        return {"causal": self.causal, "alignment": self.alignment, "window_left": self.window_left,
+                "window_right": self.window_right, "sink_tokens": self.sink_tokens}
+
+    def slots(self):
+        return {"doc_q": self.doc_q, "doc_kv": self.doc_kv, "kv_valid": self.kv_valid}
+
+    def __repr__(self):
+        window = (self.window_left, self.window_right)
+        return (f"Mask(causal={self.causal}, alignment={self.alignment!r}, window={window}, "
+                f"sink_tokens={self.sink_tokens}, doc_ids={self.doc_q is not None}, kv_valid={self.kv_valid is not None})")
+
+
+NO_MASK = Mask()

@@ -1,0 +1,111 @@
+"""PyTorch integration: bsattn as torch.library custom ops, usable under torch.compile and inside
+CUDA graphs, on the current torch stream.
+
+* ``torch.ops.bsattn.attention(q, k, v, slots, *options) -> (out, lse)`` is functional; its fake
+  implementation returns empty outputs of the right shapes, so torch.compile traces it without
+  running it. ``lse`` is an empty tensor unless ``return_lse``.
+* ``torch.ops.bsattn.attention_out(q, k, v, slots, *options, out, lse)`` writes into given
+  outputs (``attention(..., out=)``).
+
+``slots`` are the optional tensors of `bsattn._api.SLOT_NAMES` and ``options`` the primitives of
+`bsattn._api.OPTIONS`, in that order; `bsattn.attention` builds them from its arguments.
+
+Each distinct problem is planned once and cached (plan() allocates; a CUDA graph must capture
+calls whose plan exists, so warm up first). Calls of the same problem share that plan's
+workspace: they must not run concurrently on different streams. Capture needs
+``validate=False``: value validation reads metadata on the host.
+"""
+
+import collections
+import threading
+
+import torch
+
+from . import _api, _bsattn, _tensors
+
+_OPTION_SCHEMA = ", ".join(f"{kind} {name}" for name, kind, _ in _api.OPTIONS)
+_INPUT_SCHEMA = f"Tensor q, Tensor k, Tensor v, Tensor?[] slots, {_OPTION_SCHEMA}"
+_CU_SEQLENS_Q = _api.SLOT_NAMES.index("cu_seqlens_q")
+_OUT_DTYPE = _api.OPTION_NAMES.index("out_dtype")
+_RETURN_LSE = _api.OPTION_NAMES.index("return_lse")
+_TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+torch.library.define("bsattn::attention", f"({_INPUT_SCHEMA}) -> (Tensor, Tensor)")
+torch.library.define("bsattn::attention_out", f"({_INPUT_SCHEMA}, Tensor(a!) out, Tensor(b!)? lse) -> ()")
+
+_MAX_PLANS = 32
+_plans = collections.OrderedDict()  # problem -> (plan, lock), least recently used first
+_plans_lock = threading.Lock()
+
+
+def _cached_plan(problem):
+    key = tuple(sorted(problem.items()))
+    with _plans_lock:
+        entry = _plans.pop(key, None)
+        if entry is None:
+            plan = _bsattn.Plan()
+            plan.plan(problem)
+            entry = (plan, threading.Lock())
+        _plans[key] = entry
+        while len(_plans) > _MAX_PLANS:
+            _plans.popitem(last=False)
+    return entry
+
+
+def _out_dtype(q, name):
+    return _TORCH_DTYPES[name] if name else q.dtype
+
+
+def _new_outputs(q, slots, options):
+    """(out, lse) as both the real and the fake implementation allocate them."""
+    out_shape, lse_shape = _api.output_shapes(q, slots[_CU_SEQLENS_Q] is not None, options[_RETURN_LSE])
+    out = q.new_empty(out_shape, dtype=_out_dtype(q, options[_OUT_DTYPE]))
+    lse = q.new_empty(lse_shape if lse_shape is not None else (0,), dtype=torch.float32)
+    return out, lse
+
+
+def _run(q, k, v, slots, options, out, lse):
+    problem, inputs = _api._describe(q, k, v, dict(zip(_api.SLOT_NAMES, slots)), dict(zip(_api.OPTION_NAMES, options)))
+    plan, lock = _cached_plan(problem)
+    outputs = {"out": _tensors.export(out), "lse": None if lse is None else _tensors.export(lse)}
+    with lock:
+        plan.run(inputs, outputs, _tensors.current_stream(q))
+
+
+@torch.library.impl("bsattn::attention", ("cpu", "cuda"))
+def _attention(q, k, v, slots, *options):
+    out, lse = _new_outputs(q, slots, options)
+    _run(q, k, v, slots, options, out, lse if options[_RETURN_LSE] else None)
+    return out, lse
+
+
+@torch.library.register_fake("bsattn::attention")
+def _attention_fake(q, k, v, slots, *options):
+    return _new_outputs(q, slots, options)
+
+
+@torch.library.impl("bsattn::attention_out", ("cpu", "cuda"))
+def _attention_out(q, k, v, slots, *arguments):
+    *options, out, lse = arguments
+    _run(q, k, v, slots, options, out, lse)
+
+
+@torch.library.register_fake("bsattn::attention_out")
+def _attention_out_fake(q, k, v, slots, *arguments):
+    return None
+
+
+def attention(q, k, v, slots, options, out, lse):
+    """`bsattn.attention` for PyTorch tensors: the flattened call through the custom ops."""
+    arguments = (q, k, v, [slots[name] for name in _api.SLOT_NAMES], *(options[name] for name in _api.OPTION_NAMES))
+    return_lse = options["return_lse"]
+    if out is None and lse is None:
+        out, lse = torch.ops.bsattn.attention(*arguments)
+    else:
+        out_shape, lse_shape = _api.output_shapes(q, slots["cu_seqlens_q"] is not None, return_lse)
+        if out is None:
+            out = q.new_empty(out_shape, dtype=_out_dtype(q, options["out_dtype"]))
+        if lse is None and return_lse:
+            lse = q.new_empty(lse_shape, dtype=torch.float32)
+        torch.ops.bsattn.attention_out(*arguments, out, lse)
+    return (out, lse) if return_lse else out
