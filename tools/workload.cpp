@@ -552,7 +552,7 @@ Problem Workload::State::problem(Device device, int threads) const {
   p.block = s.block;
   p.format = s.format;
   p.sparsity_heads = s.format == Format::all_blocks ? 1 : s.sparsity_heads;
-  p.sparsity_batch = !varlen() && (s.format == Format::block_lists || s.format == Format::bitmask) ? s.batch : 1;
+  p.sparsity_batch = !varlen() && s.format != Format::all_blocks ? s.batch : 1;  // one pattern per sequence
   p.has_partial = has_partial;
   p.has_full = has_full;
   p.mask.causal = s.mask.causal;
