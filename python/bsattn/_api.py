@@ -13,15 +13,15 @@ from .sparsity import AllBlocks, Sparsity
 
 # Every tensor input besides q, k, v, in the order the torch op receives them.
 SLOT_NAMES = (
-    "partial_counts", "partial_indices", "partial_indptr", "partial_bits",
-    "full_counts", "full_indices", "full_indptr", "full_bits",
-    "proxy_counts", "proxy_indices", "proxy_indptr", "proxy_bits",
+    "partial.counts", "partial.indices", "partial.indptr", "partial.bits",
+    "full.counts", "full.indices", "full.indptr", "full.bits",
+    "proxy.counts", "proxy.indices", "proxy.indptr", "proxy.bits",
     "cu_total_m_blocks", "cu_block_idx_offsets",
     "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "seq_lens_kv",
     "doc_q", "doc_kv", "kv_valid", "k_summary", "v_summary",
 )
 # Bit words: int32 tensors are read as uint32 (PyTorch has no general uint32).
-_BIT_SLOTS = frozenset({"partial_bits", "full_bits", "proxy_bits", "kv_valid"})
+_BIT_SLOTS = frozenset({"partial.bits", "full.bits", "proxy.bits", "kv_valid"})
 
 # Primitive options, in the order the torch op receives them, with their schema types and
 # defaults. 0 / "" mean "derive it" (scale: 1/sqrt(D); max_seqlen_*: from the tensors;
@@ -148,7 +148,7 @@ def _describe(q, k, v, slots, options):
         raise _tensors.fail("q", f"dtype {dtype} is not supported; expected float16, bfloat16 or float32")
     device, device_index = _tensors.device_of(q)
     has = {name: slots[name] is not None for name in SLOT_NAMES}
-    if has["proxy_counts"] or has["proxy_indptr"] or has["proxy_bits"]:
+    if has["proxy.counts"] or has["proxy.indptr"] or has["proxy.bits"]:
         proxy = "explicit_set"
     else:
         proxy = "eligible" if has["k_summary"] else "off"
@@ -158,8 +158,8 @@ def _describe(q, k, v, slots, options):
         device=device, device_index=device_index, format=fmt, block_q=options["block_q"],
         block_kv=options["block_kv"], sparsity_batch=options["sparsity_batch"],
         sparsity_heads=options["sparsity_heads"],
-        has_partial=fmt == "all_blocks" or has["partial_counts"] or has["partial_indptr"] or has["partial_bits"],
-        has_full=has["full_counts"] or has["full_indptr"] or has["full_bits"],
+        has_partial=fmt == "all_blocks" or has["partial.counts"] or has["partial.indptr"] or has["partial.bits"],
+        has_full=has["full.counts"] or has["full.indptr"] or has["full.bits"],
         causal=options["causal"], alignment=options["alignment"], window_left=options["window_left"],
         window_right=options["window_right"], sink_tokens=options["sink_tokens"],
         document_ids=has["doc_q"] or has["doc_kv"], kv_valid_bits=has["kv_valid"], proxy=proxy,

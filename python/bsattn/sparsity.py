@@ -36,13 +36,13 @@ class Sparsity:
                 continue
             if any(t is None for t in tensors):
                 missing = [f for f, t in zip(self.set_fields, tensors) if t is None]
-                raise _tensors.fail(f"{kind}_{missing[0]}", f"the {kind} set needs {' and '.join(self.set_fields)}")
+                raise _tensors.fail(f"{kind}.{missing[0]}", f"the {kind} set needs {' and '.join(self.set_fields)}")
             self.sets[kind] = {f: _tensors.to_int32(t) for f, t in zip(self.set_fields, tensors)}
         self.extra = {name: _tensors.to_int32(t) for name, t in (extra or {}).items() if t is not None}
 
     def slots(self):
-        """Extension input slots: '<set>_<field>' and extra metadata tensors."""
-        slots = {f"{kind}_{field}": t for kind, tensors in self.sets.items() for field, t in tensors.items()}
+        """Extension input slots: '<set>.<field>' and extra metadata tensors."""
+        slots = {f"{kind}.{field}": t for kind, tensors in self.sets.items() for field, t in tensors.items()}
         slots.update(self.extra)
         return slots
 
@@ -54,10 +54,10 @@ class Sparsity:
         for kind in ("partial", "full", "proxy"):
             if kind in self.sets:
                 return self.sets[kind][field]
-        raise _tensors.fail(f"partial_{field}", "no block set was given")
+        raise _tensors.fail(f"partial.{field}", "no block set was given")
 
     def __repr__(self):
-        shapes = {f"{k}_{f}": list(_tensors.shape_of(t)) for k, s in self.sets.items() for f, t in s.items()}
+        shapes = {f"{k}.{f}": list(_tensors.shape_of(t)) for k, s in self.sets.items() for f, t in s.items()}
         return f"{type(self).__name__}(block_size={self.block_size}, {shapes})"
 
 
@@ -90,7 +90,7 @@ class BlockLists(Sparsity):
         counts = self._first("counts")
         shape = _tensors.shape_of(counts)
         if len(shape) != 3:
-            raise _tensors.fail("partial_counts", f"expected [Bs, Hs, nQB], got {list(shape)}")
+            raise _tensors.fail("partial.counts", f"expected [Bs, Hs, nQB], got {list(shape)}")
         return shape[0], shape[1]
 
 
@@ -114,7 +114,7 @@ class VarlenBlockLists(Sparsity):
     def geometry(self):
         shape = _tensors.shape_of(self._first("counts"))
         if len(shape) != 2:
-            raise _tensors.fail("partial_counts", f"expected [Hs, total_m_blocks], got {list(shape)}")
+            raise _tensors.fail("partial.counts", f"expected [Hs, total_m_blocks], got {list(shape)}")
         return 1, shape[0]
 
 
@@ -157,4 +157,4 @@ class Bitmask(Sparsity):
             return shape[0], shape[1]
         if len(shape) == 3:
             return 1, shape[0]
-        raise _tensors.fail("partial_bits", f"expected [Bs, Hs, nQB, W] or [Hs, total_m_blocks, W], got {list(shape)}")
+        raise _tensors.fail("partial.bits", f"expected [Bs, Hs, nQB, W] or [Hs, total_m_blocks, W], got {list(shape)}")

@@ -228,18 +228,18 @@ const std::unordered_map<std::string_view, InputSlot>& input_slots() {
       {"seqused_k", [](Inputs& in) -> TensorView& { return in.seqused_k; }},
       {"block_table", [](Inputs& in) -> TensorView& { return in.block_table; }},
       {"seq_lens_kv", [](Inputs& in) -> TensorView& { return in.seq_lens_kv; }},
-      {"partial_counts", [](Inputs& in) -> TensorView& { return in.partial.counts; }},
-      {"partial_indices", [](Inputs& in) -> TensorView& { return in.partial.indices; }},
-      {"partial_indptr", [](Inputs& in) -> TensorView& { return in.partial.indptr; }},
-      {"partial_bits", [](Inputs& in) -> TensorView& { return in.partial.bits; }},
-      {"full_counts", [](Inputs& in) -> TensorView& { return in.full.counts; }},
-      {"full_indices", [](Inputs& in) -> TensorView& { return in.full.indices; }},
-      {"full_indptr", [](Inputs& in) -> TensorView& { return in.full.indptr; }},
-      {"full_bits", [](Inputs& in) -> TensorView& { return in.full.bits; }},
-      {"proxy_counts", [](Inputs& in) -> TensorView& { return in.proxy.counts; }},
-      {"proxy_indices", [](Inputs& in) -> TensorView& { return in.proxy.indices; }},
-      {"proxy_indptr", [](Inputs& in) -> TensorView& { return in.proxy.indptr; }},
-      {"proxy_bits", [](Inputs& in) -> TensorView& { return in.proxy.bits; }},
+      {"partial.counts", [](Inputs& in) -> TensorView& { return in.partial.counts; }},
+      {"partial.indices", [](Inputs& in) -> TensorView& { return in.partial.indices; }},
+      {"partial.indptr", [](Inputs& in) -> TensorView& { return in.partial.indptr; }},
+      {"partial.bits", [](Inputs& in) -> TensorView& { return in.partial.bits; }},
+      {"full.counts", [](Inputs& in) -> TensorView& { return in.full.counts; }},
+      {"full.indices", [](Inputs& in) -> TensorView& { return in.full.indices; }},
+      {"full.indptr", [](Inputs& in) -> TensorView& { return in.full.indptr; }},
+      {"full.bits", [](Inputs& in) -> TensorView& { return in.full.bits; }},
+      {"proxy.counts", [](Inputs& in) -> TensorView& { return in.proxy.counts; }},
+      {"proxy.indices", [](Inputs& in) -> TensorView& { return in.proxy.indices; }},
+      {"proxy.indptr", [](Inputs& in) -> TensorView& { return in.proxy.indptr; }},
+      {"proxy.bits", [](Inputs& in) -> TensorView& { return in.proxy.bits; }},
       {"cu_total_m_blocks", [](Inputs& in) -> TensorView& { return in.cu_total_m_blocks; }},
       {"cu_block_idx_offsets", [](Inputs& in) -> TensorView& { return in.cu_block_idx_offsets; }},
       {"doc_q", [](Inputs& in) -> TensorView& { return in.doc_q; }},
@@ -263,8 +263,8 @@ void bind_call(Bound& bound, const nb::dict& inputs, const nb::dict& outputs) {
   for (auto [key, value] : outputs) {
     if (value.is_none()) continue;
     const std::string name = nb::cast<std::string>(key);
-    if (name == "out") bound.outputs.out = bound.output(value, name);
-    else if (name == "lse") bound.outputs.lse = bound.output(value, name);
+    if (name == "out") bound.outputs.out = bound.output(value, "outputs.out");
+    else if (name == "lse") bound.outputs.lse = bound.output(value, "outputs.lse");
     else throw Error("outputs", "unknown tensor '" + name + "'");
   }
 }
