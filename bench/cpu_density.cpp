@@ -54,12 +54,14 @@ int main(int argc, char** argv) {
       spec.format = bsattn::Format::block_lists;
       spec.pattern.random_density = densities[i];
       spec.seed = static_cast<std::uint64_t>(o.get_int("seed"));
-      progress.note("building density " + std::to_string(densities[i]));
+      char label[32];
+      std::snprintf(label, sizeof label, "density %.2f", densities[i]);
+      progress.note(std::string("building ") + label);
       const Workload w(spec);
       const DeviceChoice device = choose_device(w, run);
       threads = device.threads;
       problem = spec.describe();
-      ms[i] = median(time_runs(w, device, run, progress, "density " + std::to_string(densities[i])));
+      ms[i] = median(time_runs(w, device, run, progress, label));
     }
 
     char date[32];
