@@ -40,6 +40,10 @@ class Plan {
   void plan(const Problem& problem);
   // Throws bsattn::Error before writing anything when an input is malformed.
   void run(const Inputs& inputs, const Outputs& outputs, Stream stream = nullptr);
+  // GPU: waits for `stream` and throws bsattn::Error if the latest run() overflowed the route
+  // capacity (without validation run() cannot know before attention; that run wrote no output).
+  // CPU: nothing to do (run() throws before writing).
+  void check(Stream stream = nullptr);
 
   bool planned() const;
   const Problem& problem() const;

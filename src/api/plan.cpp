@@ -1,12 +1,20 @@
 #include "bsattn/plan.hpp"
 
 #include <algorithm>
+#include <cstdint>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "bsattn/cpu/engine.hpp"
 #include "formats/bind.hpp"
 #include "formats/validate.hpp"
+#if BSATTN_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "gpu/attention.hpp"
+#include "gpu/prepare_routes.hpp"
+#endif
 
 namespace bsattn {
 
@@ -22,8 +30,11 @@ TileShape choose_tiles(const Problem& pb) {
   if (pb.tile_n > 0) {
     t.tile_n = pb.tile_n;
   } else {
+    // The GPU kernels hold K and V tiles of tile_n x D in shared memory, double-buffered: at
+    // D = 256 that caps the tile at 64 tokens (a 128-token KV block becomes two routes).
+    const int max_n = (pb.device == Device::cuda && pb.head_dim > 128) ? 64 : 128;
     t.tile_n = 16;
-    for (int n = 128; n >= 16; n -= 16)
+    for (int n = max_n; n >= 16; n -= 16)
       if (bk % n == 0) {
         t.tile_n = n;
         break;
@@ -32,6 +43,79 @@ TileShape choose_tiles(const Problem& pb) {
   t.kv_split = t.tile_n > 0 ? bk / t.tile_n : 0;
   return t;
 }
+
+#if BSATTN_WITH_CUDA
+namespace {
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error("cuda", std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Makes `device` current for a scope and restores the caller's device after it.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int now = previous_;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace
+
+// The GPU plan's workspace: one cudaMalloc at plan time, carved into the overflow flag, route
+// counts, derived varlen offsets and route records. run() allocates nothing.
+struct DeviceWorkspace {
+  void* base = nullptr;
+  std::size_t bytes = 0;
+  int device = 0;
+  std::int32_t* overflow = nullptr;  // [2]: {row + 1, routes needed} of an overflowing row, else 0
+  std::int32_t* counts = nullptr;
+  std::int32_t* cu_total_m_blocks = nullptr;
+  std::int32_t* cu_block_idx_offsets = nullptr;
+  route::Route* routes = nullptr;
+
+  DeviceWorkspace() = default;
+  DeviceWorkspace(const DeviceWorkspace&) = delete;
+  DeviceWorkspace& operator=(const DeviceWorkspace&) = delete;
+  ~DeviceWorkspace() {
+    if (base) {
+      int now = 0;
+      const bool restore = cudaGetDevice(&now) == cudaSuccess && now != device;
+      if (restore) cudaSetDevice(device);
+      cudaFree(base);
+      if (restore) cudaSetDevice(now);
+    }
+  }
+
+  void allocate(int dev, std::int64_t rows, int capacity, int batch) {
+    device = dev;
+    const auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
+    const std::size_t off_counts = 256;
+    const std::size_t off_cu_m = off_counts + align(static_cast<std::size_t>(rows) * sizeof(std::int32_t));
+    const std::size_t off_cu_idx = off_cu_m + align((batch + 1) * sizeof(std::int32_t));
+    const std::size_t off_routes = off_cu_idx + align((batch + 1) * sizeof(std::int32_t));
+    bytes = off_routes + static_cast<std::size_t>(rows) * capacity * sizeof(route::Route);
+    DeviceGuard guard(dev);
+    cuda_check(cudaMalloc(&base, bytes), "cudaMalloc (plan workspace)");
+    char* p = static_cast<char*>(base);
+    overflow = reinterpret_cast<std::int32_t*>(p);
+    counts = reinterpret_cast<std::int32_t*>(p + off_counts);
+    cu_total_m_blocks = reinterpret_cast<std::int32_t*>(p + off_cu_m);
+    cu_block_idx_offsets = reinterpret_cast<std::int32_t*>(p + off_cu_idx);
+    routes = reinterpret_cast<route::Route*>(p + off_routes);
+    cuda_check(cudaMemset(overflow, 0, 2 * sizeof(std::int32_t)), "cudaMemset (plan workspace)");
+  }
+};
+#else
+struct DeviceWorkspace {};
+#endif
 
 struct Plan::Impl {
   Problem problem;
@@ -43,8 +127,11 @@ struct Plan::Impl {
   std::size_t scratch_per_thread = 0;
   std::vector<float> scratch;
   std::unique_ptr<cpu::ThreadPool> pool;
+  std::unique_ptr<DeviceWorkspace> device;  // Device::cuda only
 
   void run(const Inputs& inputs, const Outputs& outputs, Plan::CpuEngine engine, const void* context);
+  void run_gpu(const Inputs& inputs, const Outputs& outputs, Stream stream);
+  void check_gpu(Stream stream);
   void derive_varlen_block_offsets(AttentionParams& a);
 };
 
@@ -65,6 +152,9 @@ const TileShape& Plan::tiles() const { return require(impl_).tiles; }
 int Plan::route_capacity() const { return require(impl_).capacity; }
 std::size_t Plan::workspace_bytes() const {
   const Impl& i = require(impl_);
+#if BSATTN_WITH_CUDA
+  if (i.device) return i.device->bytes;
+#endif
   return i.routes.size() * sizeof(route::Route) + i.counts.size() * sizeof(std::int32_t) +
          i.scratch.size() * sizeof(float) +
          (i.cu_total_m_blocks.size() + i.cu_block_idx_offsets.size()) * sizeof(std::int32_t);
@@ -75,14 +165,49 @@ void Plan::plan(const Problem& problem) {
   next->problem = problem;
   next->tiles = choose_tiles(problem);
   formats::validate_problem(problem, next->tiles);
-  if (problem.device != Device::cpu)
-    throw Error("problem.device", "cuda: the GPU attention engine is not available in this build yet; use Device::cpu");
+  if (problem.device == Device::cuda) {
+#if BSATTN_WITH_CUDA
+    if (problem.dtype != DType::bf16 && problem.dtype != DType::f16)
+      throw Error("problem.dtype", std::string(to_string(problem.dtype)) + ": the GPU kernels take f16 or bf16");
+    if (problem.out_dtype != DType::bf16 && problem.out_dtype != DType::f16 && problem.out_dtype != DType::f32)
+      throw Error("problem.out_dtype", std::string(to_string(problem.out_dtype)) + ": expected f16, bf16 or f32");
+    if (problem.proxy != Proxy::off)
+      throw Error("problem.proxy", "proxy routes are not implemented on the GPU yet; use Device::cpu");
+    if (problem.kv_layout == KVLayout::paged)
+      throw Error("problem.kv_layout", "paged KV is not implemented on the GPU yet; use Device::cpu");
+    const ElementType et = problem.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16;
+    if (gpu::forward_kernel_block_n(et, problem.head_dim, next->tiles.tile_m, next->tiles.tile_n) == 0)
+      throw Error("problem.head_dim", "no GPU kernel in this build for " + std::string(to_string(problem.dtype)) +
+                                          ", head_dim " + std::to_string(problem.head_dim) + ", tile " +
+                                          std::to_string(next->tiles.tile_m) + "x" + std::to_string(next->tiles.tile_n) +
+                                          " (see BSATTN_GPU_DTYPES / BSATTN_GPU_HEAD_DIMS)");
+#else
+    throw Error("problem.device", "cuda: this build has no GPU code (BSATTN_ENABLE_CUDA=OFF); use Device::cpu");
+#endif
+  }
 
   const route::RouteParams geo = formats::route_geometry(problem, next->tiles, 0);
   const std::int64_t full_capacity =
       static_cast<std::int64_t>(geo.max_kv_blocks) * next->tiles.kv_split + (problem.proxy != Proxy::off ? geo.max_kv_blocks : 0);
   next->capacity = problem.max_routes_per_row > 0 ? problem.max_routes_per_row : static_cast<int>(std::max<std::int64_t>(1, full_capacity));
   const std::int64_t rows = static_cast<std::int64_t>(problem.batch) * geo.sparsity_heads * geo.max_q_tiles;
+#if BSATTN_WITH_CUDA
+  if (problem.device == Device::cuda) {
+    if (rows * next->capacity > (std::int64_t(1) << 31))
+      throw Error("max_routes_per_row", "route workspace of " + std::to_string(rows * next->capacity) +
+                                            " records exceeds the int32 range");
+    next->device = std::make_unique<DeviceWorkspace>();
+    next->device->allocate(problem.device_index, rows, next->capacity, problem.batch);
+    {
+      DeviceGuard guard(problem.device_index);
+      cuda_check(gpu::configure_forward(problem.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16,
+                                        problem.head_dim, next->tiles.tile_m, next->tiles.tile_n),
+                 "configure forward kernel");
+    }
+    impl_ = std::move(next);
+    return;
+  }
+#endif
   next->routes.resize(static_cast<std::size_t>(rows * next->capacity));
   next->counts.resize(static_cast<std::size_t>(rows));
   if (problem.q_layout == QLayout::varlen) {
@@ -122,8 +247,87 @@ void Plan::Impl::run(const Inputs& inputs, const Outputs& outputs, Plan::CpuEngi
   engine(context, a, ws);
 }
 
-void Plan::run(const Inputs& inputs, const Outputs& outputs, Stream) {
+#if BSATTN_WITH_CUDA
+// GPU run: bind device pointers, derive varlen offsets when not given, prepare routes, attend;
+// all on `stream`, no allocation. Without validation nothing synchronises with the host: a
+// route-capacity overflow raises the device flag, the attention kernel then writes nothing, and
+// Plan::check() reports it. With validation (which already copies metadata to the host) run()
+// waits for route preparation and throws on overflow before attention is launched.
+void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream stream) {
+  formats::validate_structure(problem, inputs, outputs);
+  if (problem.validate) formats::validate_values(problem, tiles, inputs);
+  AttentionParams a = formats::bind(problem, tiles, capacity, inputs, outputs);
+  for (const std::int64_t stride : {a.q_token_stride, a.q_head_stride, a.q_batch_stride, a.k_token_stride,
+                                    a.k_head_stride, a.k_batch_stride, a.v_token_stride, a.v_head_stride,
+                                    a.v_batch_stride})
+    if (stride % 8 != 0)
+      throw Error("q/k/v", "GPU kernels need strides that are multiples of 8 elements (16 bytes), got " +
+                               std::to_string(stride));
+  for (const void* ptr : {a.q, a.k, a.v})
+    if (reinterpret_cast<std::uintptr_t>(ptr) % 16 != 0) throw Error("q/k/v", "base pointer not 16-byte aligned");
+  if (a.out_type != ElementType::f32 && (a.out_token_stride % 2 || a.out_head_stride % 2 || a.out_batch_stride % 2 ||
+                                         reinterpret_cast<std::uintptr_t>(a.out) % 4))
+    throw Error("out", "GPU kernels store element pairs: strides must be even, base 4-byte aligned");
+  if (a.out_type == ElementType::f32 && (a.out_token_stride % 2 || a.out_head_stride % 2 || a.out_batch_stride % 2 ||
+                                         reinterpret_cast<std::uintptr_t>(a.out) % 8))
+    throw Error("out", "GPU kernels store element pairs: strides must be even, base 8-byte aligned");
+
+  DeviceGuard guard(problem.device_index);
+  const auto s = static_cast<cudaStream_t>(stream);
+  DeviceWorkspace& ws = *device;
+  route::RouteParams& p = a.route;
+  cuda_check(cudaMemsetAsync(ws.overflow, 0, 2 * sizeof(std::int32_t), s), "cudaMemsetAsync");
+  if (p.varlen_q && p.format != route::SetFormat::all_blocks && p.format != route::SetFormat::block_lists &&
+      !(p.cu_total_m_blocks && p.cu_block_idx_offsets)) {
+    cuda_check(gpu::derive_varlen_block_offsets(p, ws.cu_total_m_blocks, ws.cu_block_idx_offsets, s),
+               "derive_varlen_block_offsets");
+    if (!p.cu_total_m_blocks) p.cu_total_m_blocks = ws.cu_total_m_blocks;
+    if (!p.cu_block_idx_offsets) p.cu_block_idx_offsets = ws.cu_block_idx_offsets;
+  }
+  a.routes = ws.routes;
+  a.route_counts = ws.counts;
+  cuda_check(gpu::prepare_routes(a, ws.routes, ws.counts, ws.overflow, s), "prepare_routes");
+  if (problem.validate) check_gpu(stream);
+  cuda_check(gpu::run_forward(a, ws.overflow, s), "forward kernel launch");
+}
+
+void Plan::Impl::check_gpu(Stream stream) {
+  DeviceGuard guard(problem.device_index);
+  std::int32_t flag[2] = {0, 0};
+  cuda_check(cudaMemcpyAsync(flag, device->overflow, sizeof flag, cudaMemcpyDeviceToHost,
+                             static_cast<cudaStream_t>(stream)),
+             "cudaMemcpyAsync (overflow flag)");
+  cuda_check(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+  if (flag[0] != 0) {
+    const route::RowCoordinates c = route::row_coordinates(formats::route_geometry(problem, tiles, capacity), flag[0] - 1);
+    throw Error("max_routes_per_row", "route row (b=" + std::to_string(c.b) + ", hs=" + std::to_string(c.hs) +
+                                          ", q_tile=" + std::to_string(c.q_tile) + ") needs " + std::to_string(flag[1]) +
+                                          " routes; capacity is " + std::to_string(capacity) +
+                                          " (the run wrote no output)");
+  }
+}
+#endif
+
+void Plan::check(Stream stream) {
   Impl& impl = require(impl_);
+#if BSATTN_WITH_CUDA
+  if (impl.device) impl.check_gpu(stream);
+#else
+  (void)impl;
+  (void)stream;
+#endif
+}
+
+void Plan::run(const Inputs& inputs, const Outputs& outputs, Stream stream) {
+  Impl& impl = require(impl_);
+#if BSATTN_WITH_CUDA
+  if (impl.device) {
+    impl.run_gpu(inputs, outputs, stream);
+    return;
+  }
+#else
+  (void)stream;
+#endif
   impl.run(inputs, outputs,
            [](const void*, AttentionParams& a, const cpu::Workspace& ws) { cpu::run(a, ws, cpu::NoTokenMask{}); },
            nullptr);
@@ -131,6 +335,8 @@ void Plan::run(const Inputs& inputs, const Outputs& outputs, Stream) {
 
 void Plan::run_cpu_engine(const Inputs& inputs, const Outputs& outputs, CpuEngine engine, const void* context) {
   Impl& impl = require(impl_);
+  if (impl.problem.device != Device::cpu)
+    throw Error("problem.device", "a custom mask functor runs on the CPU engine only; plan for Device::cpu");
   impl.run(inputs, outputs, engine, context);
 }
 

@@ -1,0 +1,98 @@
+// A tiny C interface over bsattn's GPU Plan for the Python benchmark driver (ctypes): the driver
+// owns every tensor (torch), so bsattn and its peers read the very same inputs.
+#include <cstdint>
+#include <exception>
+#include <string>
+
+#include "bsattn/bsattn.hpp"
+
+namespace {
+thread_local std::string g_error;
+
+bsattn::TensorView view(void* ptr, bsattn::DType dt, std::initializer_list<std::int64_t> shape) {
+  return bsattn::TensorView::contiguous(ptr, dt, shape, bsattn::Device::cuda);
+}
+}  // namespace
+
+extern "C" {
+
+const char* bsattn_bench_error() { return g_error.c_str(); }
+
+struct BenchPlan {
+  bsattn::Plan plan;
+  bsattn::Problem problem;
+};
+
+// format: 0 all_blocks (dense + mask), 1 block lists (partial set [1, Hs, nQB, nKB]).
+// window_left < 0: none. Returns null on error (bsattn_bench_error says why).
+void* bsattn_bench_plan(int batch, int seqlen, int hq, int hkv, int head_dim, int f16, int bq, int bk, int format,
+                        int sparsity_heads, int causal, int window_left) {
+  try {
+    auto* b = new BenchPlan;
+    bsattn::Problem& p = b->problem;
+    p.batch = batch;
+    p.heads_q = hq;
+    p.heads_kv = hkv;
+    p.head_dim = head_dim;
+    p.max_seqlen_q = p.max_seqlen_kv = seqlen;
+    p.dtype = p.out_dtype = f16 ? bsattn::DType::f16 : bsattn::DType::bf16;
+    p.block = {bq, bk};
+    p.format = format == 0 ? bsattn::Format::all_blocks : bsattn::Format::block_lists;
+    p.sparsity_heads = sparsity_heads;
+    p.sparsity_batch = 1;
+    p.has_partial = true;
+    p.has_full = false;
+    p.mask.causal = causal != 0;
+    p.mask.window_left = window_left;
+    p.device = bsattn::Device::cuda;
+    p.validate = false;
+    b->plan.plan(p);
+    return b;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return nullptr;
+  }
+}
+
+// q/out [B, S, Hq, D], k/v [B, S, Hkv, D], lse [B, Hq, S] (may be null), cnt [1, Hs, nQB] and
+// idx [1, Hs, nQB, nKB] int32 (format 1). Returns 0, or -1 (bsattn_bench_error says why).
+int bsattn_bench_run(void* handle, void* q, void* k, void* v, void* out, void* lse, void* cnt, void* idx,
+                     void* stream) {
+  try {
+    auto* b = static_cast<BenchPlan*>(handle);
+    const bsattn::Problem& p = b->problem;
+    const std::int64_t B = p.batch, S = p.max_seqlen_q, D = p.head_dim;
+    const std::int64_t nqb = (S + p.block.q - 1) / p.block.q, nkb = (S + p.block.kv - 1) / p.block.kv;
+    bsattn::Inputs in;
+    in.q = view(q, p.dtype, {B, S, p.heads_q, D});
+    in.k = view(k, p.dtype, {B, S, p.heads_kv, D});
+    in.v = view(v, p.dtype, {B, S, p.heads_kv, D});
+    if (p.format == bsattn::Format::block_lists) {
+      in.partial.counts = view(cnt, bsattn::DType::i32, {1, p.sparsity_heads, nqb});
+      in.partial.indices = view(idx, bsattn::DType::i32, {1, p.sparsity_heads, nqb, nkb});
+    }
+    bsattn::Outputs o;
+    o.out = view(out, p.out_dtype, {B, S, p.heads_q, D});
+    if (lse) o.lse = view(lse, bsattn::DType::f32, {B, p.heads_q, S});
+    b->plan.run(in, o, stream);
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
+// Waits for the stream; returns -1 if the latest run overflowed its route capacity.
+int bsattn_bench_check(void* handle, void* stream) {
+  try {
+    static_cast<BenchPlan*>(handle)->plan.check(stream);
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
+void bsattn_bench_free(void* handle) { delete static_cast<BenchPlan*>(handle); }
+
+}  // extern "C"

@@ -1,0 +1,22 @@
+// The GPU forward pass as plan.cpp sees it: which tile shapes have a kernel in this build, and
+// the launch (route stream already prepared on the same stream).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "bsattn/attention_params.hpp"
+
+namespace bsattn::gpu {
+
+// KV tile width of the kernel that serves a route tile_n (the smallest compiled width >= tile_n),
+// or 0 if this build has no kernel for (dtype, head_dim, tile_m, tile_n).
+int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile_n);
+
+// Raises the shared-memory limit of the kernel that serves this shape (plan time: not a stream
+// operation, so run() stays capturable).
+cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n);
+
+// Launches the forward kernel for params (device pointers; routes and counts prepared).
+// `overflow` is the device flag route preparation raised; a set flag makes the kernel write nothing.
+cudaError_t run_forward(const AttentionParams& params, const int* overflow, cudaStream_t stream);
+
+}  // namespace bsattn::gpu

@@ -1,0 +1,34 @@
+// One (dtype, head dim) family of forward kernels: tile_m 64 or 128 (one or two consumer
+// warpgroups) by the compiled KV tile widths. Each family is one translation unit.
+#pragma once
+#include "gpu/fwd/kernel.cuh"
+
+namespace bsattn::gpu::fwd {
+
+template <class Element, int kHeadDim, int kBlockN>
+cudaError_t run_family_n(const AttentionParams* a, int tile_m, const int* overflow, cudaStream_t stream) {
+  if (tile_m == 128) return launch_forward<Traits<Element, kHeadDim, 2, kBlockN>>(a, overflow, stream);
+  if (tile_m == 64) return launch_forward<Traits<Element, kHeadDim, 1, kBlockN>>(a, overflow, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace bsattn::gpu::fwd
+
+// Defines bsattn::gpu::fwd::run_<NAME>(params or null, tile_m, block_n, overflow, stream).
+#define BSATTN_FORWARD_FAMILY(NAME, ELEMENT, HEAD_DIM, ...)                                             \
+  namespace bsattn::gpu::fwd {                                                                          \
+  cudaError_t run_##NAME(const AttentionParams* a, int tile_m, int block_n, const int* overflow,       \
+                         cudaStream_t s) {                                                              \
+    return dispatch_width<ELEMENT, HEAD_DIM, __VA_ARGS__>(a, tile_m, block_n, overflow, s);            \
+  }                                                                                                     \
+  }
+
+namespace bsattn::gpu::fwd {
+template <class Element, int kHeadDim, int kFirst, int... kRest>
+cudaError_t dispatch_width(const AttentionParams* a, int tile_m, int block_n, const int* overflow, cudaStream_t s) {
+  if (block_n == kFirst) return run_family_n<Element, kHeadDim, kFirst>(a, tile_m, overflow, s);
+  if constexpr (sizeof...(kRest) > 0)
+    return dispatch_width<Element, kHeadDim, kRest...>(a, tile_m, block_n, overflow, s);
+  return cudaErrorInvalidValue;
+}
+}  // namespace bsattn::gpu::fwd

@@ -1,0 +1,73 @@
+// Online softmax on the accumulator fragments of one warpgroup (64 rows; each thread holds 2 rows,
+// a row is spread over the 4 threads of a quad). Scores stay in raw units; exp2 with a folded
+// log2(e) * scale. A row that has seen nothing keeps max = -inf and sum = 0 (empty row: O = 0,
+// LSE = -inf, never NaN).
+#pragma once
+#include <cmath>
+
+#include "gpu/fwd/utils.cuh"
+
+namespace bsattn::gpu::fwd {
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];
+  float row_sum[kRows];  // thread-partial sums; reduced over the quad at the end
+  float scale_log2;
+
+  __device__ __forceinline__ explicit OnlineSoftmax(float scale) : scale_log2(scale * float(M_LOG2E)) {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      row_max[i] = -INFINITY;
+      row_sum[i] = 0.0f;
+    }
+  }
+
+  // Turns the scores S (rowcol view) into unnormalised probabilities and returns, per row, the
+  // factor by which the output accumulator must be rescaled.
+  template <class TS>
+  __device__ __forceinline__ void step(TS& s, float (&rescale)[kRows]) {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      float mx = row_max[i];
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) mx = fmaxf(mx, s(i, j));
+      mx = quad_max(mx);
+      const bool none = mx == -INFINITY;
+      rescale[i] = none ? 1.0f : exp2f((row_max[i] - mx) * scale_log2);
+      row_max[i] = mx;
+      const float offset = none ? 0.0f : mx * scale_log2;
+      float sum = 0.0f;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) {
+        const float p = exp2f(s(i, j) * scale_log2 - offset);
+        s(i, j) = p;
+        sum += p;
+      }
+      row_sum[i] = row_sum[i] * rescale[i] + sum;
+    }
+  }
+
+  // Final 1 / sum per row (0 for an empty row) and the natural-log LSE (-inf for an empty row).
+  __device__ __forceinline__ void finish(float (&inv)[kRows], float (&lse)[kRows], float scale) {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const float sum = quad_sum(row_sum[i]);
+      const bool empty = !(sum > 0.0f);
+      inv[i] = empty ? 0.0f : 1.0f / sum;
+      lse[i] = empty ? -INFINITY : row_max[i] * scale + logf(sum);
+    }
+  }
+};
+
+// Multiplies each row of an accumulator (rowcol view) by its factor.
+template <int kRows, class TO>
+__device__ __forceinline__ void scale_rows(TO& o, const float (&f)[kRows]) {
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(o); ++j) o(i, j) *= f[i];
+  }
+}
+
+}  // namespace bsattn::gpu::fwd

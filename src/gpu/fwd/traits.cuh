@@ -1,0 +1,41 @@
+// Tile configuration of the SM90 forward kernel: element type, head dim, consumer warpgroups
+// (64 query rows each), KV tile width, shared-memory layouts and the two warpgroup MMAs.
+#pragma once
+#include "gpu/fwd/utils.cuh"
+
+namespace bsattn::gpu::fwd {
+
+template <class Element_, int kHeadDim_, int kWarpgroups_, int kBlockN_, int kStages_ = 2>
+struct Traits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarpgroups = kWarpgroups_;
+  static constexpr int kBlockM = 64 * kWarpgroups;  // query rows per CTA
+  static constexpr int kBlockN = kBlockN_;          // KV tokens per route (the route's tile_n <= kBlockN)
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
+
+  // Q: one 64 x D tile per warpgroup; K: N x D; V is stored as V^T (D x N, D contiguous), the
+  // MN-major B operand of the PV GEMM. 128-byte swizzles, as the wgmma descriptors expect.
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<_64, Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+
+  using MmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>()));
+  using MmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::MN>()));
+
+  struct SharedStorage {
+    alignas(1024) Element q[kWarpgroups][64 * kHeadDim];
+    alignas(1024) Element k[kStages * kBlockN * kHeadDim];
+    alignas(1024) Element v[kStages * kBlockN * kHeadDim];
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + base alignment
+};
+
+}  // namespace bsattn::gpu::fwd

@@ -1,0 +1,69 @@
+// Small device helpers of the SM90 forward kernel: cp.async, wgmma issue, fragment layout views.
+#pragma once
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+
+namespace bsattn::gpu::fwd {
+
+using namespace cute;
+
+// 16-byte global -> shared copy; pred false writes zeros (the source is not read).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int bytes = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// One warpgroup GEMM: C (+)= A * B over every k block, committed as one wgmma group. The caller
+// waits (warpgroup_wait) where the result is needed, so GEMMs can stay in flight across work.
+// kRegA: A is a register fragment (RS wgmma); else both operands are shared-memory descriptors.
+template <bool kZeroInit, bool kRegA, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void wg_gemm(TiledMma& mma, TA const& a, TB const& b, TC& c) {
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+// Accumulator ((2 cols, 2 rows, N/8), MMA_M, MMA_N) viewed as (rows (2, MMA_M), cols (2, N/8, MMA_N)).
+template <class L>
+__device__ __forceinline__ auto acc_rowcol(L acc) {
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
+}
+
+// Accumulator of the QK GEMM viewed as the register A operand of the PV GEMM (k blocks of 16):
+// ((2, 2, N/8), M, N) -> ((2, 2, 2), M, (N/16, N)).
+template <class L>
+__device__ __forceinline__ auto acc_as_a_operand(L acc) {
+  auto v = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0>(v), get<1>(v), get<2, 0>(v)), get<1>(acc),
+                     make_layout(get<2, 1>(v), get<2>(acc)));
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+}  // namespace bsattn::gpu::fwd

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# On a GPU machine: the GPU tests, compute-sanitizer (memcheck + racecheck) on a representative
+# subset, the SASS checks (HGMMA in the kernels, no local memory) and the benchmark.
+#   BUILD=build-gpu tests/gpu/device_check.sh            (build first: cmake -B build-gpu && cmake --build build-gpu)
+# Env: BUILD (build dir), OUT (log dir), PEERS (all|core|none), STEPS (subset of "tests sanitize sass bench").
+set -u
+BUILD=${BUILD:-build-gpu}
+OUT=${OUT:-/tmp/bsattn-device-check}
+PEERS=${PEERS:-all}
+STEPS=${STEPS:-tests sanitize sass bench}
+mkdir -p "$OUT"
+T=$BUILD/tests/bsattn_gpu_forward_test
+LIB=$BUILD/bench/gpu/libbsattn_bench.so
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+
+if [[ " $STEPS " == *" tests "* ]]; then
+  echo "== GPU tests"
+  "$T" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|error|expected|Which is|bad" | head -60
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+
+if [[ " $STEPS " == *" sanitize "* ]]; then
+  echo "== compute-sanitizer"
+  SUB='GpuForward.EveryFormatBf16D128:GpuForward.RouteOverflow:GpuRoutes.DeviceMatchesHost:GpuForward.GraphReplayWithChangedMetadata'
+  compute-sanitizer --tool memcheck --error-exitcode 3 "$T" --gtest_filter="$SUB" > "$OUT/sanitizer.log" 2>&1
+  echo "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
+  compute-sanitizer --tool racecheck --error-exitcode 3 "$T" --gtest_filter='GpuForward.EveryFormatBf16D128' >> "$OUT/sanitizer.log" 2>&1
+  echo "racecheck rc=$?: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
+  compute-sanitizer --tool synccheck --error-exitcode 3 "$T" --gtest_filter='GpuForward.LongerSequencesDense' >> "$OUT/sanitizer.log" 2>&1
+  echo "synccheck rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
+fi
+
+if [[ " $STEPS " == *" sass "* ]]; then
+  echo "== SASS"
+  cuobjdump --dump-sass "$LIB" > "$OUT/sass.txt" 2>&1
+  echo "HGMMA: $(grep -c HGMMA "$OUT/sass.txt")  LDL/STL (local memory): $(grep -cE '\b(LDL|STL)\b' "$OUT/sass.txt")"
+  gzip -f "$OUT/sass.txt"
+fi
+
+if [[ " $STEPS " == *" bench "* ]]; then
+  echo "== benchmark"
+  PYTHONUNBUFFERED=1 python3 bench/gpu/bench_forward.py --lib "$LIB" --peers "$PEERS" --out "$OUT/bench.md" \
+    ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^|" 
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+exit $status
