@@ -17,18 +17,18 @@ cat "$OUT/gpu.txt"
 
 if [[ " $STEPS " == *" tests "* ]]; then
   echo "== GPU tests"
-  "$T" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|error|expected|Which is|bad" | head -60
+  timeout ${TEST_TIMEOUT:-240} "$T" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|error|expected|Which is|bad" | head -60
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then
   echo "== compute-sanitizer"
   SUB='GpuForward.EveryFormatBf16D128:GpuForward.RouteOverflow:GpuRoutes.DeviceMatchesHost:GpuForward.GraphReplayWithChangedMetadata'
-  compute-sanitizer --tool memcheck --error-exitcode 3 "$T" --gtest_filter="$SUB" > "$OUT/sanitizer.log" 2>&1
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$T" --gtest_filter="$SUB" > "$OUT/sanitizer.log" 2>&1
   echo "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
-  compute-sanitizer --tool racecheck --error-exitcode 3 "$T" --gtest_filter='GpuForward.EveryFormatBf16D128' >> "$OUT/sanitizer.log" 2>&1
+  timeout 90 compute-sanitizer --tool racecheck --error-exitcode 3 "$T" --gtest_filter='GpuForward.EveryFormatBf16D128' >> "$OUT/sanitizer.log" 2>&1
   echo "racecheck rc=$?: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
-  compute-sanitizer --tool synccheck --error-exitcode 3 "$T" --gtest_filter='GpuForward.LongerSequencesDense' >> "$OUT/sanitizer.log" 2>&1
+  timeout 60 compute-sanitizer --tool synccheck --error-exitcode 3 "$T" --gtest_filter='GpuForward.LongerSequencesDense' >> "$OUT/sanitizer.log" 2>&1
   echo "synccheck rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
 fi
 
@@ -41,7 +41,7 @@ fi
 
 if [[ " $STEPS " == *" bench "* ]]; then
   echo "== benchmark"
-  PYTHONUNBUFFERED=1 python3 bench/gpu/bench_forward.py --lib "$LIB" --peers "$PEERS" --out "$OUT/bench.md" \
+  PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-400} python3 bench/gpu/bench_forward.py --lib "$LIB" --peers "$PEERS" --out "$OUT/bench.md" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^|" 
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
