@@ -1,14 +1,892 @@
+// Validation (SPEC §8; the rule list and its decisions are in docs/VALIDATION.md). Three layers:
+// the problem alone at plan time, tensor structure on every run (no metadata values read), and
+// metadata values when problem.validate is set. Every check throws bsattn::Error before the
+// engine runs, so a rejected call writes nothing.
 #include "formats/validate.hpp"
 
-namespace bsattn::formats {
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <iterator>
+#include <limits>
+#include <string>
+#include <vector>
 
-void validate_problem(const Problem& problem, const TileShape&) {
-  if (problem.heads_kv <= 0 || problem.heads_q % problem.heads_kv != 0)
-    throw Error("problem.heads_q", "not divisible by heads_kv");
+#include "bsattn/route/params.hpp"
+#include "bsattn/route/route.hpp"
+#include "formats/bind.hpp"
+#if BSATTN_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace bsattn::formats {
+namespace {
+
+constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+// Q/K/V/O rows and summaries are read as 16-byte vectors by the GPU kernels.
+constexpr std::int64_t kVectorAlignment = 16;
+
+std::string str(std::int64_t v) { return std::to_string(v); }
+
+void expect(bool ok, const std::string& argument, const std::string& message) {
+  if (!ok) throw Error(argument, message);
 }
 
-void validate_structure(const Problem&, const Inputs&, const Outputs&) {}
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
-void validate_values(const Problem&, const TileShape&, const Inputs&) {}
+bool is_varlen(const Problem& pb) { return pb.q_layout == QLayout::varlen; }
+bool is_paged(const Problem& pb) { return pb.kv_layout == KVLayout::paged; }
+bool is_varlen_kv(const Problem& pb) { return is_varlen(pb) && !is_paged(pb); }
+
+// Formats whose rows are enumerated per sequence (SPEC §3.2 order) rather than [Bs, Hs, nQB].
+bool has_varlen_rows(const Problem& pb) {
+  return pb.format == Format::varlen_block_lists ||
+         (is_varlen(pb) && (pb.format == Format::bsr || pb.format == Format::bitmask));
+}
+
+const char* format_name(Format f) {
+  switch (f) {
+    case Format::all_blocks: return "all_blocks";
+    case Format::block_lists: return "block_lists";
+    case Format::varlen_block_lists: return "varlen_block_lists";
+    case Format::bsr: return "bsr";
+    case Format::bitmask: return "bitmask";
+  }
+  return "?";
+}
+
+const char* proxy_name(Proxy p) {
+  switch (p) {
+    case Proxy::off: return "off";
+    case Proxy::eligible: return "eligible";
+    case Proxy::explicit_set: return "explicit_set";
+  }
+  return "?";
+}
+
+// ---- Plan time -----------------------------------------------------------------------------
+
+void expect_positive(const char* name, std::int64_t value) {
+  expect(value > 0, name, "= " + str(value) + ", expected a positive value");
+}
+
+void expect_at_least(const char* name, std::int64_t value, std::int64_t lowest) {
+  expect(value >= lowest, name, "= " + str(value) + ", expected at least " + str(lowest));
+}
+
+// Enumerations arrive from bindings as plain integers; anything past the last enumerator is garbage.
+template <class Enum>
+void expect_known(const char* name, Enum value, Enum last) {
+  const int v = static_cast<int>(value);
+  expect(v >= 0 && v <= static_cast<int>(last), name, "= " + str(v) + " is not a known value");
+}
+
+void expect_int32_extent(const char* name, std::int64_t extent, const std::string& what) {
+  expect(extent <= kInt32Max, name,
+         what + " = " + str(extent) + " exceeds the int32 range the kernels index with (" + str(kInt32Max) + ")");
+}
+
+void expect_float_dtype(const char* name, DType dtype) {
+  expect(dtype == DType::f32 || dtype == DType::f16 || dtype == DType::bf16, name,
+         std::string("= ") + to_string(dtype) + ", expected f32, f16 or bf16");
+}
+
+void check_block_and_tiles(const Problem& pb, const TileShape& tiles) {
+  const int bq = pb.block.q, bk = pb.block.kv;
+  expect(bq == 16 || bq == 32 || (bq > 0 && bq % 64 == 0), "problem.block.q",
+         "Bq = " + str(bq) + " is not supported, expected 16, 32 or a positive multiple of 64");
+  expect(bk > 0 && bk % 16 == 0, "problem.block.kv",
+         "Bk = " + str(bk) + " is not supported, expected a positive multiple of 16");
+  expect_at_least("problem.tile_m", pb.tile_m, 0);
+  expect_at_least("problem.tile_n", pb.tile_n, 0);
+
+  // Valid block sizes always get valid automatic tiles; an error here names the override.
+  const int tm = tiles.tile_m, tn = tiles.tile_n;
+  expect(tm % 16 == 0, "problem.tile_m", "tile_m = " + str(tm) + " is not a multiple of 16");
+  expect(bq % tm == 0 || (tm % bq == 0 && tm / bq <= route::kMaxUnitsPerTile), "problem.tile_m",
+         "tile_m = " + str(tm) + " does not fit Bq = " + str(bq) + ": expected a divisor of Bq, or a multiple of Bq at most " +
+             str(route::kMaxUnitsPerTile) + " times Bq");
+  expect(tn % 16 == 0 && bk % tn == 0, "problem.tile_n",
+         "tile_n = " + str(tn) + " does not fit Bk = " + str(bk) + ": expected a multiple of 16 that divides Bk");
+}
+
+void check_layouts(const Problem& pb) {
+  if (is_varlen(pb)) {
+    expect_positive("problem.total_q", pb.total_q);
+    expect_int32_extent("problem.total_q", pb.total_q, "total_q (cu_seqlens_q is int32)");
+  }
+  if (is_varlen_kv(pb)) {
+    expect_positive("problem.total_kv", pb.total_kv);
+    expect_int32_extent("problem.total_kv", pb.total_kv, "total_kv (cu_seqlens_k is int32)");
+  }
+  if (is_paged(pb)) {
+    expect_positive("problem.page_size", pb.page_size);
+    expect_positive("problem.num_pages", pb.num_pages);
+    expect_positive("problem.pages_per_seq", pb.pages_per_seq);
+    const std::int64_t readable = static_cast<std::int64_t>(pb.pages_per_seq) * pb.page_size;
+    expect_int32_extent("problem.pages_per_seq", readable, "pages_per_seq * page_size");
+    expect(pb.max_seqlen_kv <= readable, "problem.max_seqlen_kv",
+           "= " + str(pb.max_seqlen_kv) + " does not fit in pages_per_seq * page_size = " + str(pb.pages_per_seq) +
+               " * " + str(pb.page_size) + " = " + str(readable));
+  }
+}
+
+void check_features(const Problem& pb) {
+  expect_at_least("problem.mask.window_left", pb.mask.window_left, -1);
+  expect_at_least("problem.mask.window_right", pb.mask.window_right, -1);
+  expect_at_least("problem.mask.sink_tokens", pb.mask.sink_tokens, 0);
+  expect(std::isfinite(pb.scale), "problem.scale", "= " + std::to_string(pb.scale) + ", expected a finite value");
+
+  const bool sets = pb.format != Format::all_blocks;
+  expect(sets || !pb.has_full, "problem.has_full",
+         "format all_blocks has no sparsity tensors, so there is no full set; use block_lists or bitmask");
+  expect(sets || pb.proxy == Proxy::off, "problem.proxy",
+         "format all_blocks computes every block exactly, so nothing is left for proxies; use a format with sets");
+  expect(!sets || pb.has_partial || pb.has_full, "problem.has_partial",
+         std::string("format ") + format_name(pb.format) + " with neither a partial nor a full set selects nothing");
+  expect(pb.format != Format::varlen_block_lists || is_varlen(pb), "problem.format",
+         "varlen_block_lists needs q_layout varlen (its offsets come from cu_seqlens_q); use block_lists for batched Q");
+
+  const int hs = pb.sparsity_heads;
+  expect(hs == 1 || hs == pb.heads_kv || hs == pb.heads_q, "problem.sparsity_heads",
+         "= " + str(hs) + ", expected 1, heads_kv = " + str(pb.heads_kv) + " or heads_q = " + str(pb.heads_q));
+  const int bs = pb.sparsity_batch;
+  expect(bs == 1 || bs == pb.batch, "problem.sparsity_batch",
+         "= " + str(bs) + ", expected 1 (broadcast) or batch = " + str(pb.batch));
+  expect(bs == 1 || !has_varlen_rows(pb), "problem.sparsity_batch",
+         "= " + str(bs) + ", but format " + format_name(pb.format) +
+             " with varlen Q enumerates rows per sequence; expected 1");
+}
+
+void check_int32_extents(const Problem& pb, const TileShape& tiles) {
+  // Token positions are ints: a tile or block may start at max_seqlen and run one size past it.
+  expect_int32_extent("problem.max_seqlen_q", static_cast<std::int64_t>(pb.max_seqlen_q) + std::max(pb.block.q, tiles.tile_m),
+                      "max_seqlen_q + max(Bq, tile_m)");
+  expect_int32_extent("problem.max_seqlen_kv", static_cast<std::int64_t>(pb.max_seqlen_kv) + pb.block.kv,
+                      "max_seqlen_kv + Bk");
+  const std::int64_t route_rows = static_cast<std::int64_t>(pb.batch) * pb.sparsity_heads * ceil_div(pb.max_seqlen_q, tiles.tile_m);
+  expect_int32_extent("problem.batch", route_rows, "route rows batch * sparsity_heads * ceil(max_seqlen_q / tile_m)");
+  const std::int64_t kv_blocks = ceil_div(pb.max_seqlen_kv, pb.block.kv);
+  expect_int32_extent("problem.max_seqlen_kv", kv_blocks * (pb.block.kv / tiles.tile_n + 1),
+                      "routes per row (KV tiles plus proxies)");
+}
+
+// ---- Tensor structure ----------------------------------------------------------------------
+
+// One dimension of an expected shape: an extent in [lowest, highest], named for messages.
+struct Dim {
+  const char* label;
+  std::int64_t lowest, highest;
+  std::string describe() const {
+    if (lowest == highest) return std::string(label) + "=" + str(lowest);
+    if (highest == kInt32Max) return std::string(label) + ">=" + str(lowest);
+    return std::string(label) + " in [" + str(lowest) + ", " + str(highest) + "]";
+  }
+};
+Dim exactly(const char* label, std::int64_t n) { return {label, n, n}; }
+Dim at_least(const char* label, std::int64_t n) { return {label, n, kInt32Max}; }
+Dim any_extent(const char* label) { return {label, 0, kInt32Max}; }
+Dim between(const char* label, std::int64_t lowest, std::int64_t highest) { return {label, lowest, highest}; }
+
+std::string describe(const std::vector<Dim>& dims) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + dims[i].describe();
+  return s + "]";
+}
+
+// How the engines address a tensor, which decides its stride and alignment rules.
+enum class Access {
+  strided,         // every stride is read from the view (block lists, bitmask words, LSE)
+  row_contiguous,  // raw pointer along the last dimension (cu_*, bsr, block_table, doc ids, kv_valid)
+  vectors,         // D-vectors loaded 16 bytes at a time (Q, K, V, O, summaries)
+};
+
+struct ByteRange {
+  std::uintptr_t begin = 0, end = 0;
+  std::size_t size() const { return end - begin; }
+};
+
+// Bytes a view can touch; strides are non-negative once structure is checked.
+ByteRange byte_range(const TensorView& t) {
+  ByteRange r;
+  r.begin = r.end = reinterpret_cast<std::uintptr_t>(t.data);
+  if (t.numel() == 0) return r;
+  std::int64_t last = 0;
+  for (int i = 0; i < t.rank; ++i) last += (t.shape[i] - 1) * t.stride[i];
+  r.end = r.begin + static_cast<std::uintptr_t>((last + 1) * static_cast<std::int64_t>(element_size(t.dtype)));
+  return r;
+}
+
+bool overlap(const ByteRange& a, const ByteRange& b) {
+  return a.size() > 0 && b.size() > 0 && a.begin < b.end && b.begin < a.end;
+}
+
+void expect_device(const std::string& name, const TensorView& t, const Problem& pb) {
+  const bool same = t.device == pb.device && (pb.device == Device::cpu || t.device_index == pb.device_index);
+  expect(same, name,
+         std::string("is on ") + to_string(t.device) + ":" + str(t.device_index) + ", but the problem runs on " +
+             to_string(pb.device) + ":" + str(pb.device_index));
+}
+
+void expect_shape(const std::string& name, const TensorView& t, const std::vector<Dim>& dims) {
+  expect(t.rank == static_cast<int>(dims.size()), name,
+         "has rank " + str(t.rank) + " (shape " + t.shape_string() + "), expected rank " + str(dims.size()) + " " +
+             describe(dims));
+  for (int i = 0; i < t.rank; ++i)
+    expect(t.shape[i] >= dims[i].lowest && t.shape[i] <= dims[i].highest, name,
+           "has shape " + t.shape_string() + ", expected " + describe(dims) + ": dimension " + str(i) + " (" +
+               dims[i].label + ") is " + str(t.shape[i]));
+}
+
+void expect_dtype(const std::string& name, const TensorView& t, DType dtype) {
+  expect(t.dtype == dtype, name, std::string("has dtype ") + to_string(t.dtype) + ", expected " + to_string(dtype));
+}
+
+void expect_strides(const std::string& name, const TensorView& t, Access access) {
+  for (int i = 0; i < t.rank; ++i)
+    expect(t.stride[i] >= 0, name, "stride " + str(i) + " = " + str(t.stride[i]) + " is negative; expected strides >= 0");
+  const int last = t.rank - 1;
+  if (access != Access::strided && t.rank > 0)
+    expect(t.stride[last] == 1 || t.shape[last] <= 1, name,
+           "last dimension has stride " + str(t.stride[last]) + ", expected 1 (contiguous)");
+  const std::int64_t elem = static_cast<std::int64_t>(element_size(t.dtype));
+  const std::int64_t alignment = access == Access::vectors ? kVectorAlignment : elem;
+  const auto misalignment = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(t.data) % alignment);
+  expect(misalignment == 0, name,
+         "base address is " + str(misalignment) + " bytes past a " + str(alignment) + "-byte boundary, expected " +
+             str(alignment) + "-byte alignment");
+  if (access != Access::vectors) return;
+  // Dimensions of extent 1 are never stepped over, so their strides do not matter.
+  for (int i = 0; i < last; ++i)
+    expect(t.shape[i] <= 1 || (t.stride[i] * elem) % alignment == 0, name,
+           "stride " + str(i) + " = " + str(t.stride[i]) + " elements (" + str(t.stride[i] * elem) + " bytes) is not a multiple of " +
+               str(alignment) + " bytes");
+}
+
+// Two output elements sharing an address would be written by two workers.
+void expect_no_self_overlap(const std::string& name, const TensorView& t) {
+  std::vector<int> dims;
+  for (int i = 0; i < t.rank; ++i)
+    if (t.shape[i] > 1) dims.push_back(i);
+  std::sort(dims.begin(), dims.end(), [&](int a, int b) { return t.stride[a] < t.stride[b]; });
+  std::int64_t span = 1;  // elements covered by the dimensions inside the current one
+  for (int i : dims) {
+    expect(t.stride[i] >= span, name,
+           "dimension " + str(i) + " has stride " + str(t.stride[i]) + " but the dimensions inside it span " + str(span) +
+               " elements: distinct elements would share memory");
+    span = t.stride[i] * (t.shape[i] - 1) + span;
+  }
+}
+
+// Named input fields, so that messages and the "given but not read" rule share one table.
+struct Field {
+  const char* name;
+  const TensorView* view;
+};
+
+std::vector<Field> input_fields(const Inputs& in) {
+  std::vector<Field> f = {
+      {"q", &in.q},
+      {"k", &in.k},
+      {"v", &in.v},
+      {"cu_seqlens_q", &in.cu_seqlens_q},
+      {"cu_seqlens_k", &in.cu_seqlens_k},
+      {"seqused_k", &in.seqused_k},
+      {"block_table", &in.block_table},
+      {"seq_lens_kv", &in.seq_lens_kv},
+      {"cu_total_m_blocks", &in.cu_total_m_blocks},
+      {"cu_block_idx_offsets", &in.cu_block_idx_offsets},
+      {"doc_q", &in.doc_q},
+      {"doc_kv", &in.doc_kv},
+      {"kv_valid", &in.kv_valid},
+      {"k_summary", &in.k_summary},
+      {"v_summary", &in.v_summary},
+  };
+  const std::pair<const char*, const BlockSet*> sets[] = {{"partial", &in.partial}, {"full", &in.full}, {"proxy", &in.proxy}};
+  static const char* const kSetFields[3][4] = {{"partial.counts", "partial.indices", "partial.indptr", "partial.bits"},
+                                               {"full.counts", "full.indices", "full.indptr", "full.bits"},
+                                               {"proxy.counts", "proxy.indices", "proxy.indptr", "proxy.bits"}};
+  for (int s = 0; s < 3; ++s) {
+    const BlockSet& set = *sets[s].second;
+    f.push_back({kSetFields[s][0], &set.counts});
+    f.push_back({kSetFields[s][1], &set.indices});
+    f.push_back({kSetFields[s][2], &set.indptr});
+    f.push_back({kSetFields[s][3], &set.bits});
+  }
+  return f;
+}
+
+// Checks the input tensors one by one and remembers which were read, so that any other
+// tensor given is reported rather than silently ignored.
+class InputChecker {
+ public:
+  InputChecker(const Problem& pb, const Inputs& in) : pb_(pb), fields_(input_fields(in)) {}
+
+  void require(const TensorView& t, const std::vector<Dim>& dims, DType dtype, Access access) {
+    const std::string name = name_of(t);
+    expect(t.defined(), name, "is required by this problem (" + summary() + ") but not given");
+    check(pb_, name, t, dims, dtype, access);
+    read_.push_back(&t);
+  }
+  void optional(const TensorView& t, const std::vector<Dim>& dims, DType dtype, Access access) {
+    if (t.defined()) require(t, dims, dtype, access);
+  }
+
+  // Every defined input not required or allowed above.
+  void reject_unread() const {
+    for (const Field& f : fields_)
+      expect(!f.view->defined() || std::find(read_.begin(), read_.end(), f.view) != read_.end(), f.name,
+             "is given, but this problem (" + summary() + ") does not read it; leave it undefined");
+  }
+
+  const std::vector<Field>& fields() const { return fields_; }
+
+  static void check(const Problem& pb, const std::string& name, const TensorView& t, const std::vector<Dim>& dims,
+                    DType dtype, Access access) {
+    expect_device(name, t, pb);
+    expect_shape(name, t, dims);
+    expect_dtype(name, t, dtype);
+    expect_strides(name, t, access);
+  }
+
+ private:
+  std::string name_of(const TensorView& t) const {
+    for (const Field& f : fields_)
+      if (f.view == &t) return f.name;
+    return "inputs";
+  }
+
+  std::string summary() const {
+    return std::string("format ") + format_name(pb_.format) + ", q_layout " + (is_varlen(pb_) ? "varlen" : "batched") +
+           ", kv_layout " + (is_paged(pb_) ? "paged" : "contiguous") + ", has_partial " + (pb_.has_partial ? "true" : "false") +
+           ", has_full " + (pb_.has_full ? "true" : "false") + ", proxy " + proxy_name(pb_.proxy) +
+           ", document_ids " + (pb_.mask.document_ids ? "true" : "false") + ", kv_valid_bits " +
+           (pb_.mask.kv_valid_bits ? "true" : "false");
+  }
+
+  const Problem& pb_;
+  std::vector<Field> fields_;
+  std::vector<const TensorView*> read_;
+};
+
+// Extents every structural rule is written in.
+struct Extents {
+  std::int64_t B, Sq, Skv, Hq, Hkv, D, Hs, Bs, nQB, nKB, words;
+  explicit Extents(const Problem& pb)
+      : B(pb.batch),
+        Sq(pb.max_seqlen_q),
+        Skv(pb.max_seqlen_kv),
+        Hq(pb.heads_q),
+        Hkv(pb.heads_kv),
+        D(pb.head_dim),
+        Hs(pb.sparsity_heads),
+        Bs(pb.sparsity_batch),
+        nQB(ceil_div(pb.max_seqlen_q, pb.block.q)),
+        nKB(ceil_div(pb.max_seqlen_kv, pb.block.kv)),
+        words(ceil_div(nKB, 32)) {}
+};
+
+void check_block_set(InputChecker& c, const Problem& pb, const Extents& e, const BlockSet& set) {
+  const bool varlen_rows = has_varlen_rows(pb);
+  switch (pb.format) {
+    case Format::all_blocks: return;
+    case Format::block_lists:
+      c.require(set.counts, {exactly("Bs", e.Bs), exactly("Hs", e.Hs), exactly("nQB", e.nQB)}, DType::i32, Access::strided);
+      c.require(set.indices, {exactly("Bs", e.Bs), exactly("Hs", e.Hs), exactly("nQB", e.nQB), between("L", 0, e.nKB)},
+                DType::i32, Access::strided);
+      return;
+    case Format::varlen_block_lists:
+      c.require(set.counts, {exactly("Hs", e.Hs), any_extent("total_m_blocks")}, DType::i32, Access::strided);
+      c.require(set.indices, {exactly("Hs", e.Hs), any_extent("total_n_blocks")}, DType::i32, Access::strided);
+      return;
+    case Format::bsr: {
+      // Varlen rows: R = Hs * total_m_blocks depends on cu_seqlens_q, checked with the values.
+      const Dim rows = varlen_rows ? at_least("R+1", 1) : exactly("R+1", e.Bs * e.Hs * e.nQB + 1);
+      c.require(set.indptr, {rows}, DType::i32, Access::row_contiguous);
+      c.require(set.indices, {any_extent("nnz")}, DType::i32, Access::row_contiguous);
+      return;
+    }
+    case Format::bitmask:
+      if (varlen_rows)
+        c.require(set.bits, {exactly("Hs", e.Hs), any_extent("total_m_blocks"), at_least("W", e.words)}, DType::u32,
+                  Access::strided);
+      else
+        c.require(set.bits, {exactly("Bs", e.Bs), exactly("Hs", e.Hs), exactly("nQB", e.nQB), at_least("W", e.words)},
+                  DType::u32, Access::strided);
+      return;
+  }
+}
+
+std::vector<Dim> kv_dims(const Problem& pb, const Extents& e) {
+  if (is_paged(pb))
+    return {exactly("num_pages", pb.num_pages), exactly("page_size", pb.page_size), exactly("Hkv", e.Hkv), exactly("D", e.D)};
+  if (is_varlen_kv(pb)) return {exactly("total_kv", pb.total_kv), exactly("Hkv", e.Hkv), exactly("D", e.D)};
+  return {exactly("B", e.B), exactly("Skv", e.Skv), exactly("Hkv", e.Hkv), exactly("D", e.D)};
+}
+
+void check_inputs(InputChecker& c, const Problem& pb, const Inputs& in) {
+  const Extents e(pb);
+  const DType dt = pb.dtype;
+  if (is_varlen(pb)) {
+    c.require(in.q, {exactly("total_q", pb.total_q), exactly("Hq", e.Hq), exactly("D", e.D)}, dt, Access::vectors);
+    c.require(in.cu_seqlens_q, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
+  } else {
+    c.require(in.q, {exactly("B", e.B), exactly("Sq", e.Sq), exactly("Hq", e.Hq), exactly("D", e.D)}, dt, Access::vectors);
+  }
+
+  if (is_paged(pb)) {
+    c.require(in.block_table, {exactly("B", e.B), at_least("C", pb.pages_per_seq)}, DType::i32, Access::row_contiguous);
+    c.require(in.seq_lens_kv, {exactly("B", e.B)}, DType::i32, Access::row_contiguous);
+  } else if (is_varlen_kv(pb)) {
+    c.require(in.cu_seqlens_k, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
+    c.optional(in.seqused_k, {exactly("B", e.B)}, DType::i32, Access::row_contiguous);
+  }
+  const std::vector<Dim> kv = kv_dims(pb, e);
+  c.require(in.k, kv, dt, Access::vectors);
+  c.require(in.v, kv, dt, Access::vectors);
+
+  if (pb.format != Format::all_blocks) {
+    if (pb.has_partial) check_block_set(c, pb, e, in.partial);
+    if (pb.has_full) check_block_set(c, pb, e, in.full);
+  }
+  if (pb.proxy == Proxy::explicit_set) check_block_set(c, pb, e, in.proxy);
+  if (is_varlen(pb) && has_varlen_rows(pb)) {
+    c.optional(in.cu_total_m_blocks, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
+    if (pb.format == Format::varlen_block_lists)
+      c.optional(in.cu_block_idx_offsets, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
+  }
+
+  if (pb.mask.document_ids) {
+    if (is_varlen(pb)) c.require(in.doc_q, {exactly("total_q", pb.total_q)}, DType::i32, Access::row_contiguous);
+    else c.require(in.doc_q, {exactly("B", e.B), exactly("Sq", e.Sq)}, DType::i32, Access::row_contiguous);
+    if (is_varlen_kv(pb))
+      c.require(in.doc_kv, {exactly("total_kv", pb.total_kv)}, DType::i32, Access::row_contiguous);
+    else if (is_paged(pb))
+      c.require(in.doc_kv, {exactly("B", e.B), exactly("C*page_size", static_cast<std::int64_t>(pb.pages_per_seq) * pb.page_size)},
+                DType::i32, Access::row_contiguous);
+    else
+      c.require(in.doc_kv, {exactly("B", e.B), exactly("Skv", e.Skv)}, DType::i32, Access::row_contiguous);
+  }
+  if (pb.mask.kv_valid_bits)
+    c.require(in.kv_valid, {exactly("B", e.B), exactly("ceil(Skv/32)", ceil_div(e.Skv, 32))}, DType::u32, Access::row_contiguous);
+  if (pb.proxy != Proxy::off) {
+    const std::vector<Dim> summary = {exactly("B", e.B), exactly("nKB", e.nKB), exactly("Hkv", e.Hkv), exactly("D", e.D)};
+    c.require(in.k_summary, summary, dt, Access::vectors);
+    c.require(in.v_summary, summary, dt, Access::vectors);
+  }
+  c.reject_unread();
+}
+
+void check_outputs(const Problem& pb, const Outputs& out, const std::vector<Field>& inputs) {
+  const Extents e(pb);
+  const bool varlen = is_varlen(pb);
+  expect(out.out.defined(), "outputs.out", "is required but not given");
+  const std::vector<Dim> o = varlen ? std::vector<Dim>{exactly("total_q", pb.total_q), exactly("Hq", e.Hq), exactly("D", e.D)}
+                                    : std::vector<Dim>{exactly("B", e.B), exactly("Sq", e.Sq), exactly("Hq", e.Hq), exactly("D", e.D)};
+  InputChecker::check(pb, "outputs.out", out.out, o, pb.out_dtype, Access::vectors);
+  expect_no_self_overlap("outputs.out", out.out);
+  if (out.lse.defined()) {
+    const std::vector<Dim> l = varlen ? std::vector<Dim>{exactly("Hq", e.Hq), exactly("total_q", pb.total_q)}
+                                      : std::vector<Dim>{exactly("B", e.B), exactly("Hq", e.Hq), exactly("Sq", e.Sq)};
+    InputChecker::check(pb, "outputs.lse", out.lse, l, DType::f32, Access::strided);
+    expect_no_self_overlap("outputs.lse", out.lse);
+  }
+
+  const Field outputs[] = {{"outputs.out", &out.out}, {"outputs.lse", &out.lse}};
+  for (const Field& o : outputs) {
+    if (!o.view->defined()) continue;
+    const ByteRange r = byte_range(*o.view);
+    for (const Field& i : inputs)
+      expect(!i.view->defined() || !overlap(r, byte_range(*i.view)), o.name,
+             std::string("overlaps input ") + i.name + " in memory; outputs must not alias inputs");
+  }
+  expect(!out.lse.defined() || !overlap(byte_range(out.out), byte_range(out.lse)), "outputs.lse",
+         "overlaps outputs.out in memory");
+}
+
+// ---- Metadata values -----------------------------------------------------------------------
+
+// Dense row-major host copy of an int32 / uint32 tensor.
+struct HostInts {
+  std::vector<std::int32_t> values;
+  std::array<std::int64_t, TensorView::kMaxRank> shape{};
+  int rank = 0;
+
+  std::int32_t at(std::initializer_list<std::int64_t> index) const {
+    std::int64_t offset = 0;
+    int d = 0;
+    for (std::int64_t i : index) offset = offset * shape[d++] + i;
+    return values[static_cast<std::size_t>(offset)];
+  }
+  std::int64_t size() const { return static_cast<std::int64_t>(values.size()); }
+};
+
+// Reads metadata for the value checks. On the GPU the whole device is synchronised once, so
+// that metadata written by earlier work on any stream is complete (validate = true is the
+// synchronous path; validate = false never gets here).
+class MetadataReader {
+ public:
+  explicit MetadataReader(const Problem& pb) {
+    if (pb.device != Device::cuda) return;
+#if BSATTN_WITH_CUDA
+    int current = 0;
+    cuda_check("problem.device_index", cudaGetDevice(&current));
+    cuda_check("problem.device_index", cudaSetDevice(pb.device_index));
+    const cudaError_t synced = cudaDeviceSynchronize();
+    cuda_check("problem.device_index", cudaSetDevice(current));
+    cuda_check("problem.device", synced);
+#endif
+  }
+
+  HostInts read(const std::string& name, const TensorView& t) const {
+    const ByteRange range = byte_range(t);
+    const unsigned char* base = static_cast<const unsigned char*>(t.data);
+    std::vector<unsigned char> staging;
+    if (t.device == Device::cuda) {
+#if BSATTN_WITH_CUDA
+      staging.resize(range.size());
+      cuda_check(name, cudaMemcpy(staging.data(), t.data, range.size(), cudaMemcpyDefault));
+      base = staging.data();
+#else
+      throw Error(name, "is on cuda, but this build has no GPU support");
+#endif
+    }
+    HostInts h;
+    h.rank = t.rank;
+    for (int i = 0; i < t.rank; ++i) h.shape[i] = t.shape[i];
+    h.values.resize(static_cast<std::size_t>(t.numel()));
+    std::array<std::int64_t, TensorView::kMaxRank> index{};
+    for (std::size_t n = 0; n < h.values.size(); ++n) {
+      std::int64_t offset = 0;
+      for (int i = 0; i < t.rank; ++i) offset += index[i] * t.stride[i];
+      std::memcpy(&h.values[n], base + offset * 4, 4);
+      for (int i = t.rank - 1; i >= 0 && ++index[i] == t.shape[i]; --i) index[i] = 0;
+    }
+    return h;
+  }
+
+ private:
+#if BSATTN_WITH_CUDA
+  static void cuda_check(const std::string& name, cudaError_t e) {
+    if (e != cudaSuccess) throw Error(name, std::string("cannot be read for validation: ") + cudaGetErrorString(e));
+  }
+#endif
+};
+
+// Per-sequence lengths and block counts, computed the way the engine computes them.
+struct Sequences {
+  std::vector<route::SeqInfo> seq;
+  std::vector<std::int64_t> cu_m_blocks, cu_idx_offsets;  // implied prefix sums (SPEC §3.2), B+1
+  int max_q_blocks = 0;     // the longest sequence's nQB
+  int stored_q_blocks = 0;  // ceil(max_seqlen_q / Bq): the qb extent of batched rows
+};
+
+void check_cu_seqlens(const std::string& name, const HostInts& cu, std::int64_t total, const char* total_name,
+                      int max_seqlen, const char* max_name) {
+  const std::int64_t batch = cu.size() - 1;
+  expect(cu.at({0}) == 0, name, name + "[0] = " + str(cu.at({0})) + ", expected 0");
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t lo = cu.at({b}), hi = cu.at({b + 1});
+    expect(hi >= lo, name,
+           name + "[" + str(b + 1) + "] = " + str(hi) + " is below " + name + "[" + str(b) + "] = " + str(lo) + " (not monotone)");
+    expect(hi - lo <= max_seqlen, name,
+           "sequence b=" + str(b) + " has length " + str(hi - lo) + ", above " + max_name + " = " + str(max_seqlen));
+  }
+  expect(cu.at({batch}) == total, name,
+         name + "[" + str(batch) + "] = " + str(cu.at({batch})) + ", expected " + total_name + " = " + str(total));
+}
+
+void expect_in_range(const std::string& name, const std::string& what, std::int64_t value, std::int64_t lowest,
+                     std::int64_t highest, const std::string& bound) {
+  expect(value >= lowest && value <= highest, name,
+         what + " = " + str(value) + " is outside [" + str(lowest) + ", " + str(highest) + "]" + bound);
+}
+
+// Lengths and page tables; returns what the engine will derive from them.
+Sequences check_lengths(const Problem& pb, const TileShape& tiles, const Inputs& in, const MetadataReader& reader) {
+  route::RouteParams geo = route_geometry(pb, tiles, 0);
+  HostInts cu_q, cu_k, used, lens;
+  if (is_varlen(pb)) {
+    cu_q = reader.read("cu_seqlens_q", in.cu_seqlens_q);
+    check_cu_seqlens("cu_seqlens_q", cu_q, pb.total_q, "total_q", pb.max_seqlen_q, "max_seqlen_q");
+    geo.cu_seqlens_q = cu_q.values.data();
+  }
+  if (is_varlen_kv(pb)) {
+    cu_k = reader.read("cu_seqlens_k", in.cu_seqlens_k);
+    check_cu_seqlens("cu_seqlens_k", cu_k, pb.total_kv, "total_kv", pb.max_seqlen_kv, "max_seqlen_kv");
+    geo.cu_seqlens_k = cu_k.values.data();
+    if (in.seqused_k.defined()) {
+      used = reader.read("seqused_k", in.seqused_k);
+      for (int b = 0; b < pb.batch; ++b)
+        expect_in_range("seqused_k", "seqused_k[" + str(b) + "]", used.at({b}), 0, cu_k.at({b + 1}) - cu_k.at({b}),
+                        " (the length of sequence " + str(b) + " in cu_seqlens_k)");
+      geo.seqused_k = used.values.data();
+    }
+  }
+  if (is_paged(pb)) {
+    lens = reader.read("seq_lens_kv", in.seq_lens_kv);
+    const HostInts table = reader.read("block_table", in.block_table);
+    const std::int64_t readable = static_cast<std::int64_t>(pb.pages_per_seq) * pb.page_size;
+    for (int b = 0; b < pb.batch; ++b) {
+      const std::int64_t len = lens.at({b});
+      const std::string what = "seq_lens_kv[" + str(b) + "]";
+      expect(len >= 0, "seq_lens_kv", what + " = " + str(len) + " is negative");
+      expect(len <= readable, "seq_lens_kv",
+             what + " = " + str(len) + " needs " + str(ceil_div(len, pb.page_size)) + " pages, but only the first pages_per_seq = " +
+                 str(pb.pages_per_seq) + " entries of a block_table row are readable (the rest of the row is padding)");
+      expect(len <= pb.max_seqlen_kv, "seq_lens_kv",
+             what + " = " + str(len) + " is above max_seqlen_kv = " + str(pb.max_seqlen_kv) + ", the cache length planned for");
+      for (std::int64_t j = 0; j < ceil_div(len, pb.page_size); ++j)
+        expect_in_range("block_table", "row b=" + str(b) + " entry " + str(j), table.at({b, j}), 0, pb.num_pages - 1,
+                        " (page ids must be below num_pages = " + str(pb.num_pages) + ")");
+    }
+    geo.seq_lens_kv = lens.values.data();
+  }
+
+  Sequences s;
+  s.stored_q_blocks = geo.max_q_blocks;
+  s.cu_m_blocks.assign(pb.batch + 1, 0);
+  s.cu_idx_offsets.assign(pb.batch + 1, 0);
+  for (int b = 0; b < pb.batch; ++b) {
+    s.seq.push_back(route::seq_info(geo, b));
+    const route::SeqInfo& q = s.seq.back();
+    s.cu_m_blocks[b + 1] = s.cu_m_blocks[b] + q.q_blocks;
+    s.cu_idx_offsets[b + 1] = s.cu_idx_offsets[b] + static_cast<std::int64_t>(q.q_blocks) * q.kv_blocks;
+    s.max_q_blocks = std::max(s.max_q_blocks, q.q_blocks);
+  }
+  return s;
+}
+
+void check_block_offsets(const Problem& pb, const Inputs& in, const Sequences& s, const MetadataReader& reader) {
+  if (!is_varlen(pb) || !has_varlen_rows(pb)) return;
+  if (pb.format == Format::varlen_block_lists)
+    expect_int32_extent("cu_block_idx_offsets", s.cu_idx_offsets[pb.batch], "total_n_blocks = sum of nQB(b) * nKB(b)");
+  const std::pair<const char*, const std::vector<std::int64_t>*> offsets[] = {
+      {"cu_total_m_blocks", &s.cu_m_blocks}, {"cu_block_idx_offsets", &s.cu_idx_offsets}};
+  const TensorView* given[] = {&in.cu_total_m_blocks, &in.cu_block_idx_offsets};
+  const char* meaning[] = {"nQB(b)", "nQB(b) * nKB(b)"};
+  for (int i = 0; i < 2; ++i) {
+    if (!given[i]->defined()) continue;
+    const std::string name = offsets[i].first;
+    const HostInts h = reader.read(name, *given[i]);
+    const std::vector<std::int64_t>& implied = *offsets[i].second;
+    for (int b = 0; b <= pb.batch; ++b)
+      expect(h.at({b}) == implied[b], name,
+             name + "[" + str(b) + "] = " + str(h.at({b})) + ", but the exclusive prefix sum of " + meaning[i] +
+                 " implied by the sequence lengths is " + str(implied[b]));
+  }
+}
+
+// One row of a block set: the (b, hs, qb) it is read for, and the KV blocks it may name.
+struct Row {
+  int b;  // -1: a broadcast row (sparsity_batch == 1) read by every sequence long enough
+  int hs, qb;
+  int kv_blocks;
+  std::string label() const {
+    return "row (b=" + (b < 0 ? std::string("all") : str(b)) + ", hs=" + str(hs) + ", qb=" + str(qb) + ")";
+  }
+};
+
+// Calls fn(row) for every row the engine reads. Broadcast rows are checked once, against the
+// longest KV sequence among those that read them (shorter ones ignore blocks past their end).
+template <class Fn>
+void for_each_row(const Problem& pb, const Sequences& s, Fn fn) {
+  const int hs_count = pb.sparsity_heads;
+  if (has_varlen_rows(pb)) {
+    for (int b = 0; b < pb.batch; ++b)
+      for (int hs = 0; hs < hs_count; ++hs)
+        for (int qb = 0; qb < s.seq[b].q_blocks; ++qb) fn(Row{b, hs, qb, s.seq[b].kv_blocks});
+    return;
+  }
+  const bool broadcast = pb.sparsity_batch == 1 && pb.batch > 1;
+  for (int bs = 0; bs < pb.sparsity_batch; ++bs)
+    for (int hs = 0; hs < hs_count; ++hs)
+      for (int qb = 0; qb < s.max_q_blocks; ++qb) {
+        int kv_blocks = -1;
+        for (int b = 0; b < pb.batch; ++b)
+          if ((pb.sparsity_batch == 1 || b == bs) && s.seq[b].q_blocks > qb) kv_blocks = std::max(kv_blocks, s.seq[b].kv_blocks);
+        if (kv_blocks >= 0) fn(Row{broadcast ? -1 : bs, hs, qb, kv_blocks});
+      }
+}
+
+// Host copy of one block set, and its rows as ascending-by-contract lists of KV blocks.
+class SetReader {
+ public:
+  SetReader(const Problem& pb, const Sequences& s, const BlockSet& set, const std::string& set_name,
+            const MetadataReader& reader)
+      : pb_(pb), s_(s), name_(set_name) {
+    const std::int64_t total_m = s.cu_m_blocks[pb.batch];
+    switch (pb.format) {
+      case Format::all_blocks: break;
+      case Format::block_lists:
+        counts_ = reader.read(name_ + ".counts", set.counts);
+        indices_ = reader.read(name_ + ".indices", set.indices);
+        break;
+      case Format::varlen_block_lists:
+        counts_ = reader.read(name_ + ".counts", set.counts);
+        indices_ = reader.read(name_ + ".indices", set.indices);
+        expect(counts_.shape[1] >= total_m, name_ + ".counts",
+               "has " + str(counts_.shape[1]) + " columns, but the sequences have total_m_blocks = " + str(total_m));
+        expect(indices_.shape[1] >= s.cu_idx_offsets[pb.batch], name_ + ".indices",
+               "has " + str(indices_.shape[1]) + " columns, but the sequences need total_n_blocks = " +
+                   str(s.cu_idx_offsets[pb.batch]));
+        break;
+      case Format::bsr:
+        indptr_ = reader.read(name_ + ".indptr", set.indptr);
+        indices_ = reader.read(name_ + ".indices", set.indices);
+        check_indptr(has_varlen_rows(pb) ? pb.sparsity_heads * total_m : indptr_.size() - 1);
+        break;
+      case Format::bitmask:
+        bits_ = reader.read(name_ + ".bits", set.bits);
+        if (has_varlen_rows(pb))
+          expect(bits_.shape[1] >= total_m, name_ + ".bits",
+                 "has " + str(bits_.shape[1]) + " rows (dimension 1), but the sequences have total_m_blocks = " + str(total_m));
+        break;
+    }
+  }
+
+  // The argument named when a row's entries are wrong.
+  std::string entries_name() const { return name_ + (pb_.format == Format::bitmask ? ".bits" : ".indices"); }
+
+  std::vector<int> entries(const Row& row) const {
+    std::vector<int> e;
+    const int bs = row.b < 0 ? 0 : row.b;
+    switch (pb_.format) {
+      case Format::all_blocks: break;
+      case Format::block_lists: {
+        const std::int64_t count = counts_.at({bs, row.hs, row.qb});
+        expect_in_range(name_ + ".counts", row.label() + " count", count, 0, indices_.shape[3],
+                        " (L = " + str(indices_.shape[3]) + ", the last dimension of " + name_ + ".indices)");
+        for (std::int64_t i = 0; i < count; ++i) e.push_back(indices_.at({bs, row.hs, row.qb, i}));
+        break;
+      }
+      case Format::varlen_block_lists: {
+        const std::int64_t count = counts_.at({row.hs, s_.cu_m_blocks[row.b] + row.qb});
+        expect_in_range(name_ + ".counts", row.label() + " count", count, 0, row.kv_blocks,
+                        " (nKB(b) = " + str(row.kv_blocks) + ")");
+        const std::int64_t start = s_.cu_idx_offsets[row.b] + static_cast<std::int64_t>(row.qb) * row.kv_blocks;
+        for (std::int64_t i = 0; i < count; ++i) e.push_back(indices_.at({row.hs, start + i}));
+        break;
+      }
+      case Format::bsr: {
+        const std::int64_t r = has_varlen_rows(pb_)
+                                   ? static_cast<std::int64_t>(row.hs) * s_.cu_m_blocks[pb_.batch] + s_.cu_m_blocks[row.b] + row.qb
+                                   : (static_cast<std::int64_t>(bs) * pb_.sparsity_heads + row.hs) * s_.stored_q_blocks + row.qb;
+        for (std::int64_t i = indptr_.at({r}); i < indptr_.at({r + 1}); ++i) e.push_back(indices_.at({i}));
+        break;
+      }
+      case Format::bitmask: {
+        // Bits at or beyond nKB(b) are ignored by contract, so only the blocks below are listed.
+        for (int block = 0; block < row.kv_blocks; ++block) {
+          const std::int64_t w = block / 32;
+          const std::uint32_t word = static_cast<std::uint32_t>(
+              has_varlen_rows(pb_) ? bits_.at({row.hs, s_.cu_m_blocks[row.b] + row.qb, w}) : bits_.at({bs, row.hs, row.qb, w}));
+          if ((word >> (block % 32)) & 1u) e.push_back(block);
+        }
+        break;
+      }
+    }
+    return e;
+  }
+
+ private:
+  void check_indptr(std::int64_t rows) {
+    const std::string name = name_ + ".indptr";
+    expect(indptr_.size() == rows + 1, name,
+           "has " + str(indptr_.size()) + " entries, expected R + 1 = " + str(rows + 1) + " (R = sparsity_heads * total_m_blocks)");
+    expect(indptr_.at({0}) == 0, name, name + "[0] = " + str(indptr_.at({0})) + ", expected 0");
+    for (std::int64_t r = 0; r < rows; ++r)
+      expect(indptr_.at({r + 1}) >= indptr_.at({r}), name,
+             name + "[" + str(r + 1) + "] = " + str(indptr_.at({r + 1})) + " is below " + name + "[" + str(r) +
+                 "] = " + str(indptr_.at({r})) + " (not monotone)");
+    expect(indptr_.at({rows}) <= indices_.size(), name,
+           name + "[" + str(rows) + "] = " + str(indptr_.at({rows})) + " is above nnz = " + str(indices_.size()) + ", the length of " +
+               name_ + ".indices");
+  }
+
+  const Problem& pb_;
+  const Sequences& s_;
+  std::string name_;
+  HostInts counts_, indices_, indptr_, bits_;
+};
+
+void check_entries(const std::string& name, const Row& row, const std::vector<int>& entries) {
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const std::string what = row.label() + " entry " + str(static_cast<std::int64_t>(i));
+    expect(entries[i] >= 0 && entries[i] < row.kv_blocks, name,
+           what + " = " + str(entries[i]) + " is outside [0, nKB(b) = " + str(row.kv_blocks) + ")");
+    if (i == 0) continue;
+    expect(entries[i] > entries[i - 1], name,
+           what + " = " + str(entries[i]) + " is not above the previous entry " + str(entries[i - 1]) +
+               (entries[i] == entries[i - 1] ? " (duplicate)" : " (descending)"));
+  }
+}
+
+}  // namespace
+
+void validate_problem(const Problem& pb, const TileShape& tiles) {
+  expect_known("problem.q_layout", pb.q_layout, QLayout::varlen);
+  expect_known("problem.kv_layout", pb.kv_layout, KVLayout::paged);
+  expect_known("problem.format", pb.format, Format::bitmask);
+  expect_known("problem.mask.alignment", pb.mask.alignment, Alignment::top_left);
+  expect_known("problem.proxy", pb.proxy, Proxy::explicit_set);
+  expect_known("problem.device", pb.device, Device::cuda);
+  expect_float_dtype("problem.dtype", pb.dtype);
+  expect_float_dtype("problem.out_dtype", pb.out_dtype);
+
+  expect_positive("problem.batch", pb.batch);
+  expect_positive("problem.heads_q", pb.heads_q);
+  expect_positive("problem.heads_kv", pb.heads_kv);
+  expect_positive("problem.max_seqlen_q", pb.max_seqlen_q);
+  expect_positive("problem.max_seqlen_kv", pb.max_seqlen_kv);
+  expect(pb.heads_q % pb.heads_kv == 0, "problem.heads_q",
+         "= " + str(pb.heads_q) + " is not divisible by heads_kv = " + str(pb.heads_kv));
+  expect(pb.head_dim >= 8 && pb.head_dim <= 512 && pb.head_dim % 8 == 0, "problem.head_dim",
+         "= " + str(pb.head_dim) + " is not supported, expected a multiple of 8 in [8, 512]");
+  expect_at_least("problem.max_routes_per_row", pb.max_routes_per_row, 0);
+  expect_at_least("problem.num_threads", pb.num_threads, 0);
+  expect_at_least("problem.device_index", pb.device_index, 0);
+
+  check_block_and_tiles(pb, tiles);
+  check_layouts(pb);
+  check_features(pb);
+  check_int32_extents(pb, tiles);
+}
+
+void validate_structure(const Problem& pb, const Inputs& inputs, const Outputs& outputs) {
+  InputChecker checker(pb, inputs);
+  check_inputs(checker, pb, inputs);
+  check_outputs(pb, outputs, checker.fields());
+}
+
+void validate_values(const Problem& pb, const TileShape& tiles, const Inputs& inputs) {
+  const MetadataReader reader(pb);
+  const Sequences s = check_lengths(pb, tiles, inputs, reader);
+  check_block_offsets(pb, inputs, s, reader);
+  if (pb.format == Format::all_blocks) return;
+
+  std::vector<std::pair<const char*, const BlockSet*>> sets;
+  if (pb.has_partial) sets.push_back({"partial", &inputs.partial});
+  if (pb.has_full) sets.push_back({"full", &inputs.full});
+  if (pb.proxy == Proxy::explicit_set) sets.push_back({"proxy", &inputs.proxy});
+  std::vector<SetReader> readers;
+  for (const auto& set : sets) readers.emplace_back(pb, s, *set.second, set.first, reader);
+
+  for_each_row(pb, s, [&](const Row& row) {
+    std::vector<std::vector<int>> entries;
+    for (const SetReader& r : readers) {
+      entries.push_back(r.entries(row));
+      check_entries(r.entries_name(), row, entries.back());
+    }
+    if (!pb.has_partial || !pb.has_full) return;
+    std::vector<int> both;
+    std::set_intersection(entries[0].begin(), entries[0].end(), entries[1].begin(), entries[1].end(), std::back_inserter(both));
+    expect(both.empty(), readers[1].entries_name(),
+           row.label() + ": KV block " + (both.empty() ? std::string() : str(both.front())) +
+               " is in both the partial and the full set");
+  });
+}
 
 }  // namespace bsattn::formats

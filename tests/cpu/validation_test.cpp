@@ -1,0 +1,886 @@
+// Validation (SPEC §8, docs/VALIDATION.md): one test per rule. Each case starts from a small valid
+// problem with its tensors and breaks one thing; the call must throw bsattn::Error naming the
+// argument and the bad value, and leave every output element as it was (poisoned).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bsattn/bsattn.hpp"
+
+namespace {
+using namespace bsattn;
+
+// A NaN bit pattern no engine writes: an output element still holding it was never touched.
+constexpr std::uint32_t kPoison = 0x7fc0dead;
+
+struct Options {
+  Format format = Format::block_lists;
+  QLayout q_layout = QLayout::batched;
+  KVLayout kv_layout = KVLayout::contiguous;
+  bool full = true;       // a full set beside the partial one (formats with sets)
+  bool features = false;  // document ids, kv_valid bits and an explicit proxy set with summaries
+  bool broadcast = false;  // sparsity_batch 1 where B would be allowed
+};
+
+// A valid problem and its tensors: B=2, Hq=4, Hkv=Hs=2, D=8, Bq=Bk=16, f32. Batched sequences
+// are 40 tokens (nQB = nKB = 3); varlen Q lengths {40, 20}, varlen / paged KV lengths {40, 24}.
+// Paged: page_size 8, pages_per_seq 6, block_table rows padded to 8 columns holding garbage.
+class Case {
+ public:
+  static constexpr int B = 2, Hq = 4, Hkv = 2, D = 8, Hs = 2, Bq = 16, Bk = 16;
+  static constexpr int kPageSize = 8, kPagesPerSeq = 6, kTableStride = 8, kNumPages = 12;
+
+  explicit Case(const Options& o) : opt(o) {
+    const bool varlen_q = o.q_layout == QLayout::varlen;
+    const bool paged = o.kv_layout == KVLayout::paged;
+    const bool varlen_kv = varlen_q && !paged;
+    seq_q = varlen_q ? std::vector<int>{40, 20} : std::vector<int>{40, 40};
+    seq_kv = (varlen_q || paged) ? std::vector<int>{40, 24} : std::vector<int>{40, 40};
+    for (int b = 0; b < B; ++b) {
+      cu_m.push_back(cu_m.back() + nqb(b));
+      cu_idx.push_back(cu_idx.back() + nqb(b) * nkb(b));
+    }
+
+    p.batch = B;
+    p.heads_q = Hq;
+    p.heads_kv = Hkv;
+    p.head_dim = D;
+    p.max_seqlen_q = 40;
+    p.max_seqlen_kv = 40;
+    p.q_layout = o.q_layout;
+    p.kv_layout = o.kv_layout;
+    p.dtype = p.out_dtype = DType::f32;
+    p.block = {Bq, Bk};
+    p.format = o.format;
+    p.sparsity_heads = Hs;
+    p.sparsity_batch = varlen_rows() || o.broadcast ? 1 : B;
+    p.has_partial = true;
+    p.has_full = o.full && o.format != Format::all_blocks;
+    p.num_threads = 2;
+    if (varlen_q) p.total_q = 60;
+    if (varlen_kv) p.total_kv = 64;
+    if (paged) {
+      p.page_size = kPageSize;
+      p.pages_per_seq = kPagesPerSeq;
+      p.num_pages = kNumPages;
+    }
+
+    in.q = varlen_q ? floats({60, Hq, D}) : floats({B, 40, Hq, D});
+    const std::vector<std::int64_t> kv_shape = paged ? std::vector<std::int64_t>{kNumPages, kPageSize, Hkv, D}
+                                               : varlen_kv ? std::vector<std::int64_t>{64, Hkv, D}
+                                                           : std::vector<std::int64_t>{B, 40, Hkv, D};
+    in.k = floats(kv_shape);
+    in.v = floats(kv_shape);
+    out.out = floats(varlen_q ? std::vector<std::int64_t>{60, Hq, D} : std::vector<std::int64_t>{B, 40, Hq, D});
+    out.lse = floats(varlen_q ? std::vector<std::int64_t>{Hq, 60} : std::vector<std::int64_t>{B, Hq, 40});
+    if (varlen_q) in.cu_seqlens_q = ints({B + 1}, {0, 40, 60});
+    if (varlen_kv) in.cu_seqlens_k = ints({B + 1}, {0, 40, 64});
+    if (paged) {
+      // Row 0 reads pages 0..4, row 1 pages 5..7; unread entries and the padding are garbage.
+      std::int32_t* table = alloc<std::int32_t>(B * kTableStride, 999);
+      for (int j = 0; j < kPagesPerSeq; ++j) {
+        table[j] = j < 5 ? j : -1;
+        table[kTableStride + j] = j < 3 ? 5 + j : -1;
+      }
+      in.block_table = TensorView::strided(table, DType::i32, {B, kPagesPerSeq}, {kTableStride, 1});
+      in.seq_lens_kv = ints({B}, {40, 24});
+    }
+    if (o.format == Format::varlen_block_lists) {
+      in.cu_total_m_blocks = ints({B + 1}, {0, cu_m[1], cu_m[2]});
+      in.cu_block_idx_offsets = ints({B + 1}, {0, cu_idx[1], cu_idx[2]});
+    } else if (varlen_rows() && o.format != Format::all_blocks) {
+      in.cu_total_m_blocks = ints({B + 1}, {0, cu_m[1], cu_m[2]});
+    }
+
+    // Selection: (b + hs + qb + kb) % 3 is 1 for a partial block, 2 for a full one.
+    const auto kind = [](int b, int hs, int qb, int kb) { return (b + hs + qb + kb) % 3; };
+    if (o.format != Format::all_blocks) {
+      in.partial = make_set([&](int b, int hs, int qb, int kb) { return kind(b, hs, qb, kb) == 1; });
+      if (p.has_full) in.full = make_set([&](int b, int hs, int qb, int kb) { return kind(b, hs, qb, kb) == 2; });
+    }
+    if (o.features) enable_features(kind);
+  }
+
+  int nqb(int b) const { return (seq_q[b] + Bq - 1) / Bq; }
+  int nkb(int b) const { return (seq_kv[b] + Bk - 1) / Bk; }
+  bool varlen_rows() const {
+    return opt.format == Format::varlen_block_lists ||
+           (opt.q_layout == QLayout::varlen && (opt.format == Format::bsr || opt.format == Format::bitmask));
+  }
+
+  TensorView& view(const std::string& name) {
+    const std::pair<const char*, TensorView*> fields[] = {
+        {"q", &in.q}, {"k", &in.k}, {"v", &in.v}, {"cu_seqlens_q", &in.cu_seqlens_q},
+        {"cu_seqlens_k", &in.cu_seqlens_k}, {"seqused_k", &in.seqused_k}, {"block_table", &in.block_table},
+        {"seq_lens_kv", &in.seq_lens_kv}, {"cu_total_m_blocks", &in.cu_total_m_blocks},
+        {"cu_block_idx_offsets", &in.cu_block_idx_offsets}, {"k_summary", &in.k_summary}, {"v_summary", &in.v_summary},
+        {"partial.counts", &in.partial.counts}, {"partial.indices", &in.partial.indices},
+        {"partial.indptr", &in.partial.indptr}, {"partial.bits", &in.partial.bits}, {"full.counts", &in.full.counts},
+        {"full.indices", &in.full.indices}, {"proxy.counts", &in.proxy.counts}, {"proxy.indices", &in.proxy.indices}, {"outputs.out", &out.out},
+        {"outputs.lse", &out.lse}};
+    for (const auto& f : fields)
+      if (name == f.first) return *f.second;
+    throw std::logic_error("no tensor " + name);
+  }
+
+  // Element of an int32 / uint32 tensor.
+  std::int32_t& at(const std::string& name, std::initializer_list<std::int64_t> index) {
+    const TensorView& t = view(name);
+    std::int64_t offset = 0;
+    int d = 0;
+    for (std::int64_t i : index) offset += i * t.stride[d++];
+    return static_cast<std::int32_t*>(t.data)[offset];
+  }
+
+  // Rewrites one row of a (varlen) block-list set.
+  void set_row(const std::string& set, int b, int hs, int qb, const std::vector<int>& entries) {
+    const bool varlen = opt.format == Format::varlen_block_lists;
+    at(set + ".counts", varlen ? std::initializer_list<std::int64_t>{hs, cu_m[b] + qb}
+                               : std::initializer_list<std::int64_t>{b, hs, qb}) = static_cast<int>(entries.size());
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const std::int64_t n = static_cast<std::int64_t>(i);
+      at(set + ".indices", varlen ? std::initializer_list<std::int64_t>{hs, cu_idx[b] + qb * nkb(b) + n}
+                                  : std::initializer_list<std::int64_t>{b, hs, qb, n}) = entries[i];
+    }
+  }
+
+  void poison() {
+    for (TensorView* t : {&out.out, &out.lse}) {
+      auto* bits = static_cast<std::uint32_t*>(t->data);
+      std::fill(bits, bits + t->numel(), kPoison);
+    }
+  }
+  // Elements of O and LSE still holding the poison.
+  std::int64_t poisoned() const {
+    std::int64_t n = 0;
+    for (const TensorView* t : {&out.out, &out.lse}) {
+      const auto* bits = static_cast<const std::uint32_t*>(t->data);
+      n += std::count(bits, bits + t->numel(), kPoison);
+    }
+    return n;
+  }
+  std::int64_t output_elements() const { return out.out.numel() + out.lse.numel(); }
+
+  template <class T>
+  T* alloc(std::size_t n, T fill) {
+    const std::size_t bytes = n * sizeof(T) + 128;  // room to align, and slack for misaligned views
+    storage_.push_back(std::make_unique<unsigned char[]>(bytes));
+    auto address = reinterpret_cast<std::uintptr_t>(storage_.back().get());
+    T* data = reinterpret_cast<T*>((address + 63) / 64 * 64);
+    std::fill(data, data + n, fill);
+    return data;
+  }
+  TensorView floats(const std::vector<std::int64_t>& shape) {
+    std::int64_t n = 1;
+    for (std::int64_t s : shape) n *= s;
+    float* data = alloc<float>(static_cast<std::size_t>(n), 0.0f);
+    for (std::int64_t i = 0; i < n; ++i) data[i] = static_cast<float>((i * 37) % 23) / 23.0f - 0.5f;
+    return with_shape(data, DType::f32, shape);
+  }
+  TensorView ints(const std::vector<std::int64_t>& shape, const std::vector<std::int32_t>& values) {
+    std::int32_t* data = alloc<std::int32_t>(values.size(), 0);
+    std::copy(values.begin(), values.end(), data);
+    return with_shape(data, DType::i32, shape);
+  }
+  static TensorView with_shape(void* data, DType dtype, const std::vector<std::int64_t>& shape) {
+    TensorView t = TensorView::contiguous(data, dtype, {});
+    t.rank = static_cast<int>(shape.size());
+    std::int64_t stride = 1;
+    for (int i = t.rank - 1; i >= 0; --i) {
+      t.shape[i] = shape[i];
+      t.stride[i] = stride;
+      stride *= shape[i];
+    }
+    return t;
+  }
+
+  Options opt;
+  Problem p;
+  Inputs in;
+  Outputs out;
+  std::vector<int> seq_q, seq_kv;
+  std::vector<int> cu_m{0}, cu_idx{0};  // SPEC §3.2 prefix sums of nQB(b) and nQB(b) * nKB(b)
+
+ private:
+  using Selector = std::function<bool(int b, int hs, int qb, int kb)>;
+
+  // A stored row: its sequence, whether the engine reads it, and its KV blocks.
+  struct StoredRow {
+    int b, hs, qb;
+    bool read;
+    std::vector<int> blocks;
+  };
+
+  // Rows in storage order: [Bs, Hs, nQB] for batched rows, else hs-major over the sequences.
+  std::vector<StoredRow> rows(const Selector& chosen) const {
+    std::vector<StoredRow> r;
+    const auto add = [&](int b, int hs, int qb, bool read) {
+      StoredRow row{b, hs, qb, read, {}};
+      for (int kb = 0; read && kb < nkb(b); ++kb)
+        if (chosen(b, hs, qb, kb)) row.blocks.push_back(kb);
+      r.push_back(row);
+    };
+    if (varlen_rows()) {
+      for (int hs = 0; hs < Hs; ++hs)
+        for (int b = 0; b < B; ++b)
+          for (int qb = 0; qb < nqb(b); ++qb) add(b, hs, qb, true);
+    } else {
+      for (int bs = 0; bs < p.sparsity_batch; ++bs)
+        for (int hs = 0; hs < Hs; ++hs)
+          for (int qb = 0; qb < 3; ++qb) add(bs, hs, qb, qb < nqb(bs));
+    }
+    return r;
+  }
+
+  BlockSet make_set(const Selector& chosen) {
+    const std::vector<StoredRow> stored = rows(chosen);
+    const std::int64_t R = static_cast<std::int64_t>(stored.size()), L = 3;
+    BlockSet set;
+    switch (opt.format) {
+      case Format::all_blocks: break;
+      case Format::block_lists: {
+        std::int32_t* counts = alloc<std::int32_t>(R, -7);  // unread rows keep garbage
+        std::int32_t* idx = alloc<std::int32_t>(R * L, -1);
+        for (std::int64_t i = 0; i < R; ++i) {
+          if (!stored[i].read) continue;
+          counts[i] = static_cast<int>(stored[i].blocks.size());
+          std::copy(stored[i].blocks.begin(), stored[i].blocks.end(), idx + i * L);
+        }
+        set.counts = with_shape(counts, DType::i32, {p.sparsity_batch, Hs, 3});
+        set.indices = with_shape(idx, DType::i32, {p.sparsity_batch, Hs, 3, L});
+        break;
+      }
+      case Format::varlen_block_lists: {
+        const std::int64_t total_m = cu_m.back(), total_n = cu_idx.back();
+        std::int32_t* counts = alloc<std::int32_t>(Hs * total_m, 0);
+        std::int32_t* idx = alloc<std::int32_t>(Hs * total_n, -1);
+        for (const StoredRow& row : stored) {
+          counts[row.hs * total_m + cu_m[row.b] + row.qb] = static_cast<int>(row.blocks.size());
+          std::copy(row.blocks.begin(), row.blocks.end(), idx + row.hs * total_n + cu_idx[row.b] + row.qb * nkb(row.b));
+        }
+        set.counts = with_shape(counts, DType::i32, {Hs, total_m});
+        set.indices = with_shape(idx, DType::i32, {Hs, total_n});
+        break;
+      }
+      case Format::bsr: {
+        std::vector<std::int32_t> indptr{0}, indices;
+        for (const StoredRow& row : stored) {
+          indices.insert(indices.end(), row.blocks.begin(), row.blocks.end());
+          indptr.push_back(static_cast<std::int32_t>(indices.size()));
+        }
+        set.indptr = ints({R + 1}, indptr);
+        set.indices = ints({static_cast<std::int64_t>(indices.size())}, indices);
+        break;
+      }
+      case Format::bitmask: {
+        // Bit 31 is beyond every nKB here: ignored by contract, so set it as garbage.
+        std::uint32_t* words = alloc<std::uint32_t>(R, 0);
+        for (std::int64_t i = 0; i < R; ++i) {
+          words[i] = stored[i].read ? 0x80000000u : 0xffffffffu;
+          for (int kb : stored[i].blocks) words[i] |= 1u << kb;
+        }
+        set.bits = varlen_rows() ? with_shape(words, DType::u32, {Hs, cu_m.back(), 1})
+                                 : with_shape(words, DType::u32, {p.sparsity_batch, Hs, 3, 1});
+        break;
+      }
+    }
+    return set;
+  }
+
+  template <class Kind>
+  void enable_features(const Kind& kind) {
+    const bool varlen_q = opt.q_layout == QLayout::varlen;
+    const bool paged = opt.kv_layout == KVLayout::paged;
+    p.mask.document_ids = true;
+    p.mask.kv_valid_bits = true;
+    p.mask.causal = true;
+    const auto documents = [&](std::vector<std::int64_t> shape, std::int64_t n) {
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i) ids[i] = static_cast<std::int32_t>((i % 40) / 24);
+      return ints(shape, ids);
+    };
+    in.doc_q = varlen_q ? documents({60}, 60) : documents({B, 40}, B * 40);
+    in.doc_kv = paged ? documents({B, kPagesPerSeq * kPageSize}, B * kPagesPerSeq * kPageSize)
+                      : varlen_q ? documents({64}, 64) : documents({B, 40}, B * 40);
+    std::uint32_t* valid = alloc<std::uint32_t>(B * 2, 0xffffffffu);
+    valid[0] &= ~(1u << 5);
+    in.kv_valid = with_shape(valid, DType::u32, {B, 2});
+    if (opt.format == Format::all_blocks) return;
+    p.proxy = Proxy::explicit_set;
+    in.proxy = make_set([&](int b, int hs, int qb, int kb) { return kind(b, hs, qb, kb) == 0; });
+    in.k_summary = floats({B, 3, Hkv, D});
+    in.v_summary = floats({B, 3, Hkv, D});
+  }
+
+  std::vector<std::unique_ptr<unsigned char[]>> storage_;
+};
+
+// The call must throw an Error naming `argument` with `text` in its message, and write nothing.
+void expect_rejected(Case& c, const std::string& argument, const std::string& text) {
+  c.poison();
+  try {
+    attention(c.p, c.in, c.out);
+    ADD_FAILURE() << "accepted; expected an error on " << argument;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), argument) << e.what();
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << "message: " << e.what() << "\nexpected: " << text;
+  }
+  EXPECT_EQ(c.poisoned(), c.output_elements()) << "an output element was written";
+}
+
+Options lists() { return Options{}; }
+Options lists_without_full() {
+  Options o;
+  o.full = false;
+  return o;
+}
+Options varlen_lists() {
+  Options o;
+  o.format = Format::varlen_block_lists;
+  o.q_layout = QLayout::varlen;
+  o.full = false;
+  return o;
+}
+Options with(Format format, QLayout q, KVLayout kv) {
+  Options o;
+  o.format = format;
+  o.q_layout = q;
+  o.kv_layout = kv;
+  return o;
+}
+
+// ---- The valid bases pass, for every format and layout ------------------------------------
+
+struct BaseParam {
+  Format format;
+  QLayout q;
+  KVLayout kv;
+  bool features;
+};
+
+class ValidBase : public ::testing::TestWithParam<BaseParam> {};
+
+TEST_P(ValidBase, IsAcceptedAndWritesEveryOutput) {
+  const BaseParam& b = GetParam();
+  Options o = with(b.format, b.q, b.kv);
+  o.features = b.features;
+  Case c(o);
+  c.poison();
+  ASSERT_NO_THROW(attention(c.p, c.in, c.out));
+  EXPECT_EQ(c.poisoned(), 0);
+}
+
+std::vector<BaseParam> base_params() {
+  std::vector<BaseParam> v;
+  for (Format f : {Format::all_blocks, Format::block_lists, Format::varlen_block_lists, Format::bsr, Format::bitmask})
+    for (QLayout q : {QLayout::batched, QLayout::varlen})
+      for (KVLayout kv : {KVLayout::contiguous, KVLayout::paged})
+        for (bool features : {false, true})
+          if (f != Format::varlen_block_lists || q == QLayout::varlen) v.push_back({f, q, kv, features});
+  return v;
+}
+
+std::string base_name(const ::testing::TestParamInfo<BaseParam>& info) {
+  static const char* const formats[] = {"AllBlocks", "BlockLists", "VarlenBlockLists", "Bsr", "Bitmask"};
+  const BaseParam& b = info.param;
+  return std::string(formats[static_cast<int>(b.format)]) + (b.q == QLayout::varlen ? "VarlenQ" : "BatchedQ") +
+         (b.kv == KVLayout::paged ? "PagedKV" : "ContiguousKV") + (b.features ? "AllFeatures" : "");
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryFormatAndLayout, ValidBase, ::testing::ValuesIn(base_params()), base_name);
+
+TEST(Validation, BroadcastRowsAcceptBlocksOfTheLongestSequence) {
+  // Bs = 1 over sequences with nKB {3, 2}: block 2 exists for b=0 only, and b=1 ignores it.
+  Options o = with(Format::block_lists, QLayout::varlen, KVLayout::contiguous);
+  o.broadcast = true;
+  o.full = false;
+  Case c(o);
+  c.set_row("partial", 0, 0, 0, {0, 2});
+  c.poison();
+  EXPECT_NO_THROW(attention(c.p, c.in, c.out));
+  c.set_row("partial", 0, 0, 0, {0, 3});
+  expect_rejected(c, "partial.indices", "row (b=all, hs=0, qb=0) entry 1 = 3 is outside [0, nKB(b) = 3)");
+}
+
+// ---- Plan-time rules -------------------------------------------------------------------------
+
+TEST(Validation, HeadsNotDivisible) {
+  Case c(lists());
+  c.p.heads_kv = 3;
+  expect_rejected(c, "problem.heads_q", "= 4 is not divisible by heads_kv = 3");
+}
+
+TEST(Validation, BadSparsityHeads) {
+  Case c(lists());
+  c.p.sparsity_heads = 3;
+  expect_rejected(c, "problem.sparsity_heads", "= 3, expected 1, heads_kv = 2 or heads_q = 4");
+}
+
+TEST(Validation, BadSparsityBatch) {
+  Case c(lists());
+  c.p.sparsity_batch = 3;
+  expect_rejected(c, "problem.sparsity_batch", "= 3, expected 1 (broadcast) or batch = 2");
+}
+
+TEST(Validation, SparsityBatchOnVarlenRows) {
+  Case c(with(Format::bitmask, QLayout::varlen, KVLayout::contiguous));
+  c.p.sparsity_batch = 2;
+  expect_rejected(c, "problem.sparsity_batch", "enumerates rows per sequence; expected 1");
+}
+
+TEST(Validation, UnsupportedHeadDim) {
+  Case c(lists());
+  c.p.head_dim = 12;
+  expect_rejected(c, "problem.head_dim", "= 12 is not supported");
+}
+
+TEST(Validation, UnsupportedBlockSize) {
+  Case q(lists());
+  q.p.block.q = 48;
+  expect_rejected(q, "problem.block.q", "Bq = 48 is not supported");
+  Case kv(lists());
+  kv.p.block.kv = 24;
+  expect_rejected(kv, "problem.block.kv", "Bk = 24 is not supported");
+}
+
+TEST(Validation, BadTileOverride) {
+  Case m(lists());
+  m.p.tile_m = 256;  // 16 Q blocks of 16 in one tile: more units than a route record holds
+  expect_rejected(m, "problem.tile_m", "tile_m = 256 does not fit Bq = 16");
+  Case n(lists());
+  n.p.tile_n = 32;
+  expect_rejected(n, "problem.tile_n", "tile_n = 32 does not fit Bk = 16");
+  Case odd(lists());
+  odd.p.tile_m = 24;
+  expect_rejected(odd, "problem.tile_m", "tile_m = 24 is not a multiple of 16");
+}
+
+TEST(Validation, UnsupportedDtype) {
+  Case c(lists());
+  c.p.out_dtype = DType::i32;
+  expect_rejected(c, "problem.out_dtype", "= i32, expected f32, f16 or bf16");
+}
+
+TEST(Validation, WindowBelowMinusOne) {
+  Case c(lists());
+  c.p.mask.window_left = -2;
+  expect_rejected(c, "problem.mask.window_left", "= -2, expected at least -1");
+}
+
+TEST(Validation, NegativeSinkTokens) {
+  Case c(lists());
+  c.p.mask.sink_tokens = -1;
+  expect_rejected(c, "problem.mask.sink_tokens", "= -1, expected at least 0");
+}
+
+TEST(Validation, NonFiniteScale) {
+  Case nan(lists());
+  nan.p.scale = std::numeric_limits<float>::quiet_NaN();
+  expect_rejected(nan, "problem.scale", "expected a finite value");
+  Case inf(lists());
+  inf.p.scale = std::numeric_limits<float>::infinity();
+  expect_rejected(inf, "problem.scale", "expected a finite value");
+}
+
+TEST(Validation, FullSetWithAllBlocks) {
+  Case c(with(Format::all_blocks, QLayout::batched, KVLayout::contiguous));
+  c.p.has_full = true;
+  expect_rejected(c, "problem.has_full", "format all_blocks has no sparsity tensors");
+}
+
+TEST(Validation, ProxyNeedsAFormatWithSets) {
+  Case c(with(Format::all_blocks, QLayout::batched, KVLayout::contiguous));
+  c.p.proxy = Proxy::eligible;
+  expect_rejected(c, "problem.proxy", "nothing is left for proxies");
+}
+
+TEST(Validation, NoSetSelected) {
+  Case c(lists());
+  c.p.has_partial = false;
+  c.p.has_full = false;
+  expect_rejected(c, "problem.has_partial", "with neither a partial nor a full set selects nothing");
+}
+
+TEST(Validation, VarlenListsNeedVarlenQ) {
+  Case c(lists());
+  c.p.format = Format::varlen_block_lists;
+  c.p.sparsity_batch = 1;
+  expect_rejected(c, "problem.format", "varlen_block_lists needs q_layout varlen");
+}
+
+TEST(Validation, VarlenNeedsTotals) {
+  Case c(varlen_lists());
+  c.p.total_kv = 0;
+  expect_rejected(c, "problem.total_kv", "= 0, expected a positive value");
+}
+
+TEST(Validation, PagedCacheTooShortForMaxSeqlen) {
+  Case c(with(Format::block_lists, QLayout::batched, KVLayout::paged));
+  c.p.pages_per_seq = 4;  // 32 tokens readable, max_seqlen_kv 40
+  expect_rejected(c, "problem.max_seqlen_kv", "= 40 does not fit in pages_per_seq * page_size = 4 * 8 = 32");
+}
+
+TEST(Validation, Int32Extent) {
+  Case c(lists());
+  c.p.max_seqlen_q = std::numeric_limits<std::int32_t>::max() - 8;
+  expect_rejected(c, "problem.max_seqlen_q", "exceeds the int32 range the kernels index with");
+}
+
+TEST(Validation, NegativeRouteCapacity) {
+  Case c(lists());
+  c.p.max_routes_per_row = -1;
+  expect_rejected(c, "problem.max_routes_per_row", "= -1, expected at least 0");
+}
+
+TEST(Validation, PlanFailureLeavesThePreviousPlanUsable) {
+  Case c(lists());
+  Plan plan(c.p);
+  Problem bad = c.p;
+  bad.block.kv = 24;
+  EXPECT_THROW(plan.plan(bad), Error);
+  ASSERT_TRUE(plan.planned());
+  EXPECT_EQ(plan.problem().block.kv, 16);
+  c.poison();
+  EXPECT_NO_THROW(plan.run(c.in, c.out));
+  EXPECT_EQ(c.poisoned(), 0);
+}
+
+// ---- Structural rules (every run) ------------------------------------------------------------
+
+TEST(Validation, MissingRequiredTensor) {
+  Case c(lists());
+  c.in.full = BlockSet{};
+  expect_rejected(c, "full.counts", "is required by this problem");
+}
+
+TEST(Validation, MissingOutput) {
+  Case c(lists());
+  Outputs none;
+  none.lse = c.out.lse;
+  c.poison();
+  try {
+    attention(c.p, c.in, none);
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "outputs.out");
+  }
+  EXPECT_EQ(c.poisoned(), c.output_elements());
+}
+
+TEST(Validation, ForbiddenTensorPresent) {
+  Case c(lists());
+  c.p.has_full = false;  // the full set is still given: it would be silently ignored
+  expect_rejected(c, "full.counts", "is given, but this problem");
+}
+
+TEST(Validation, TensorOfAnotherLayoutPresent) {
+  Case c(lists());
+  c.in.seqused_k = c.ints({2}, {40, 40});
+  expect_rejected(c, "seqused_k", "is given, but this problem (format block_lists, q_layout batched");
+}
+
+TEST(Validation, WrongDtype) {
+  Case c(lists());
+  c.in.q.dtype = DType::f16;
+  expect_rejected(c, "q", "has dtype f16, expected f32");
+}
+
+TEST(Validation, WrongMetadataDtype) {
+  Case c(lists());
+  c.in.partial.counts.dtype = DType::u32;
+  expect_rejected(c, "partial.counts", "has dtype u32, expected i32");
+}
+
+TEST(Validation, WrongRank) {
+  Case c(lists());
+  c.in.partial.indices.rank = 3;
+  expect_rejected(c, "partial.indices", "has rank 3 (shape [2, 2, 3]), expected rank 4");
+}
+
+TEST(Validation, WrongShape) {
+  Case c(lists());
+  c.in.k.shape[2] = 1;
+  expect_rejected(c, "k", "dimension 2 (Hkv) is 1");
+}
+
+TEST(Validation, BlockListLongerThanKvBlocks) {
+  Case c(lists());
+  TensorView& idx = c.in.partial.indices;
+  idx = Case::with_shape(c.alloc<std::int32_t>(2 * 2 * 3 * 4, 0), DType::i32, {2, 2, 3, 4});
+  expect_rejected(c, "partial.indices", "dimension 3 (L) is 4");
+}
+
+TEST(Validation, BlockTableNarrowerThanPagesPerSeq) {
+  Case c(with(Format::block_lists, QLayout::batched, KVLayout::paged));
+  c.in.block_table.shape[1] = 5;
+  expect_rejected(c, "block_table", "dimension 1 (C) is 5");
+}
+
+TEST(Validation, BitmaskWordsTooFew) {
+  Case c(with(Format::bitmask, QLayout::batched, KVLayout::contiguous));
+  c.in.partial.bits.shape[3] = 0;
+  expect_rejected(c, "partial.bits", "expected [Bs=2, Hs=2, nQB=3, W>=1]: dimension 3 (W) is 0");
+}
+
+TEST(Validation, BadSummaryShape) {
+  Options o = lists();
+  o.features = true;
+  Case c(o);
+  c.in.k_summary.shape[1] = 4;
+  expect_rejected(c, "k_summary", "dimension 1 (nKB) is 4");
+}
+
+TEST(Validation, DeviceMismatch) {
+  Case c(lists());
+  c.in.v.device = Device::cuda;
+  expect_rejected(c, "v", "is on cuda:0, but the problem runs on cpu:0");
+}
+
+TEST(Validation, MisalignedQPointer) {
+  Case c(lists());
+  c.in.q.data = static_cast<float*>(c.in.q.data) + 1;
+  expect_rejected(c, "q", "base address is 4 bytes past a 16-byte boundary");
+}
+
+TEST(Validation, MisalignedRowStride) {
+  Case c(lists());
+  // Heads 10 floats (40 bytes) apart: every other head row starts off a 16-byte boundary.
+  float* data = c.alloc<float>(2 * 40 * 4 * 10, 0.0f);
+  c.in.q = TensorView::strided(data, DType::f32, {2, 40, 4, 8}, {40 * 4 * 10, 4 * 10, 10, 1});
+  expect_rejected(c, "q", "stride 2 = 10 elements (40 bytes) is not a multiple of 16 bytes");
+}
+
+TEST(Validation, NonContiguousLastDim) {
+  Case c(lists());
+  float* data = c.alloc<float>(2 * 40 * 2 * 16, 0.0f);
+  c.in.k = TensorView::strided(data, DType::f32, {2, 40, 2, 8}, {40 * 2 * 16, 2 * 16, 16, 2});
+  expect_rejected(c, "k", "last dimension has stride 2, expected 1 (contiguous)");
+}
+
+TEST(Validation, NegativeStride) {
+  Case c(lists());
+  c.in.partial.counts.stride[0] = -6;
+  expect_rejected(c, "partial.counts", "stride 0 = -6 is negative");
+}
+
+TEST(Validation, OutputOverlapsInput) {
+  Case c(lists());
+  c.out.out.data = c.in.q.data;  // O has Q's shape and dtype
+  c.poison();  // the poison lands in Q; the rejection must leave it there
+  expect_rejected(c, "outputs.out", "overlaps input q in memory");
+}
+
+TEST(Validation, OutputOverlapsLse) {
+  Case c(lists());
+  c.out.lse.data = static_cast<float*>(c.out.out.data) + 64;
+  expect_rejected(c, "outputs.lse", "overlaps outputs.out in memory");
+}
+
+TEST(Validation, OutputElementsShareMemory) {
+  Case c(lists());
+  c.out.out.stride[1] = 0;  // every token of a sequence would land on the same row
+  expect_rejected(c, "outputs.out", "distinct elements would share memory");
+}
+
+// ---- Value rules (validate = true) -----------------------------------------------------------
+
+TEST(Validation, IndexOutOfRange) {
+  Case c(lists_without_full());
+  c.set_row("partial", 1, 0, 2, {0, 3});
+  expect_rejected(c, "partial.indices", "row (b=1, hs=0, qb=2) entry 1 = 3 is outside [0, nKB(b) = 3)");
+}
+
+TEST(Validation, IndexOutsideItsSequence) {
+  // b=1 has 24 KV tokens: blocks 0..1. Block 2 exists only for b=0 (indices are sequence-local).
+  Case c(varlen_lists());
+  c.set_row("partial", 1, 1, 0, {2});
+  expect_rejected(c, "partial.indices", "row (b=1, hs=1, qb=0) entry 0 = 2 is outside [0, nKB(b) = 2)");
+}
+
+TEST(Validation, DuplicateIndex) {
+  Case c(lists_without_full());
+  c.set_row("partial", 1, 0, 1, {0, 1, 1});
+  expect_rejected(c, "partial.indices", "row (b=1, hs=0, qb=1) entry 2 = 1 is not above the previous entry 1 (duplicate)");
+}
+
+TEST(Validation, DescendingIndices) {
+  Case c(lists_without_full());
+  c.set_row("partial", 0, 1, 0, {2, 0});
+  expect_rejected(c, "partial.indices", "row (b=0, hs=1, qb=0) entry 1 = 0 is not above the previous entry 2 (descending)");
+}
+
+TEST(Validation, CountAboveL) {
+  Case c(lists_without_full());
+  c.at("partial.counts", {0, 1, 1}) = 4;
+  expect_rejected(c, "partial.counts", "row (b=0, hs=1, qb=1) count = 4 is outside [0, 3]");
+}
+
+TEST(Validation, NegativeCount) {
+  Case c(lists_without_full());
+  c.at("partial.counts", {1, 0, 0}) = -1;
+  expect_rejected(c, "partial.counts", "row (b=1, hs=0, qb=0) count = -1 is outside [0, 3]");
+}
+
+TEST(Validation, VarlenCountAboveSequenceBlocks) {
+  Case c(varlen_lists());
+  c.at("partial.counts", {0, c.cu_m[1] + 1}) = 3;
+  expect_rejected(c, "partial.counts", "row (b=1, hs=0, qb=1) count = 3 is outside [0, 2] (nKB(b) = 2)");
+}
+
+TEST(Validation, BsrIndptrFirstNotZero) {
+  Case c(with(Format::bsr, QLayout::batched, KVLayout::contiguous));
+  c.at("partial.indptr", {0}) = 1;
+  expect_rejected(c, "partial.indptr", "partial.indptr[0] = 1, expected 0");
+}
+
+TEST(Validation, BsrIndptrNotMonotone) {
+  Case c(with(Format::bsr, QLayout::batched, KVLayout::contiguous));
+  const std::int32_t next = c.at("partial.indptr", {5});
+  c.at("partial.indptr", {4}) = next + 1;
+  expect_rejected(c, "partial.indptr",
+                  "partial.indptr[5] = " + std::to_string(next) + " is below partial.indptr[4] = " +
+                      std::to_string(next + 1) + " (not monotone)");
+}
+
+TEST(Validation, BsrIndptrLastAboveNnz) {
+  Case c(with(Format::bsr, QLayout::batched, KVLayout::contiguous));
+  const std::int64_t nnz = c.in.partial.indices.shape[0];
+  c.at("partial.indptr", {12}) = static_cast<std::int32_t>(nnz + 1);
+  expect_rejected(c, "partial.indptr", "partial.indptr[12] = " + std::to_string(nnz + 1) + " is above nnz = " + std::to_string(nnz));
+}
+
+TEST(Validation, BsrRowCountMismatch) {
+  // Varlen rows: R = Hs * total_m_blocks = 2 * 5 is known from cu_seqlens_q only.
+  Case c(with(Format::bsr, QLayout::varlen, KVLayout::contiguous));
+  c.in.partial.indptr.shape[0] = 10;
+  expect_rejected(c, "partial.indptr", "has 10 entries, expected R + 1 = 11");
+}
+
+TEST(Validation, BsrDuplicateIndex) {
+  Case c(with(Format::bsr, QLayout::batched, KVLayout::contiguous));
+  // Row 0 = (b=0, hs=0, qb=0) selects block 1 (partial) and 2 (full); make it {1, 1}.
+  ASSERT_EQ(c.at("partial.indptr", {1}), 1);
+  c.at("partial.indptr", {1}) = 2;  // row 0 now also reads row 1's first entry
+  c.at("partial.indices", {1}) = c.at("partial.indices", {0});
+  expect_rejected(c, "partial.indices", "row (b=0, hs=0, qb=0) entry 1 = 1 is not above the previous entry 1 (duplicate)");
+}
+
+TEST(Validation, CuSeqlensStartAboveZero) {
+  Case c(varlen_lists());
+  c.at("cu_seqlens_q", {0}) = 4;
+  expect_rejected(c, "cu_seqlens_q", "cu_seqlens_q[0] = 4, expected 0");
+}
+
+TEST(Validation, CuSeqlensNotMonotone) {
+  Case c(varlen_lists());
+  c.at("cu_seqlens_q", {2}) = 30;
+  expect_rejected(c, "cu_seqlens_q", "cu_seqlens_q[2] = 30 is below cu_seqlens_q[1] = 40 (not monotone)");
+}
+
+TEST(Validation, CuSeqlensWrongEnd) {
+  Case c(varlen_lists());
+  c.at("cu_seqlens_k", {2}) = 60;
+  expect_rejected(c, "cu_seqlens_k", "cu_seqlens_k[2] = 60, expected total_kv = 64");
+}
+
+TEST(Validation, SequenceLongerThanMaxSeqlen) {
+  Case c(varlen_lists());
+  c.at("cu_seqlens_q", {1}) = 10;
+  expect_rejected(c, "cu_seqlens_q", "sequence b=1 has length 50, above max_seqlen_q = 40");
+}
+
+TEST(Validation, SequsedKAboveSequenceLength) {
+  Case c(varlen_lists());
+  c.in.seqused_k = c.ints({2}, {40, 30});
+  expect_rejected(c, "seqused_k", "seqused_k[1] = 30 is outside [0, 24]");
+}
+
+TEST(Validation, CuTotalMBlocksInconsistent) {
+  Case c(varlen_lists());
+  c.at("cu_total_m_blocks", {1}) = 2;
+  expect_rejected(c, "cu_total_m_blocks", "cu_total_m_blocks[1] = 2, but the exclusive prefix sum of nQB(b) implied by the sequence lengths is 3");
+}
+
+TEST(Validation, CuBlockIdxOffsetsInconsistent) {
+  Case c(varlen_lists());
+  c.at("cu_block_idx_offsets", {2}) = 12;
+  expect_rejected(c, "cu_block_idx_offsets", "cu_block_idx_offsets[2] = 12, but the exclusive prefix sum of nQB(b) * nKB(b) implied by the sequence lengths is 13");
+}
+
+TEST(Validation, VarlenIndicesTooShort) {
+  Case c(varlen_lists());
+  c.in.partial.indices.shape[1] = 12;
+  expect_rejected(c, "partial.indices", "has 12 columns, but the sequences need total_n_blocks = 13");
+}
+
+TEST(Validation, PageIdOutOfRange) {
+  Case c(with(Format::block_lists, QLayout::batched, KVLayout::paged));
+  c.at("block_table", {1, 2}) = Case::kNumPages;
+  expect_rejected(c, "block_table", "row b=1 entry 2 = 12 is outside [0, 11]");
+}
+
+TEST(Validation, UnreadablePaddedRow) {
+  // Row 1 would need 7 pages; the row has 6 readable entries, then padding.
+  Case c(with(Format::block_lists, QLayout::batched, KVLayout::paged));
+  c.at("seq_lens_kv", {1}) = 50;
+  expect_rejected(c, "seq_lens_kv", "seq_lens_kv[1] = 50 needs 7 pages, but only the first pages_per_seq = 6 entries");
+}
+
+TEST(Validation, SeqLensKvAboveCache) {
+  Case c(with(Format::block_lists, QLayout::varlen, KVLayout::paged));
+  c.at("seq_lens_kv", {0}) = 44;
+  expect_rejected(c, "seq_lens_kv", "seq_lens_kv[0] = 44 is above max_seqlen_kv = 40");
+}
+
+TEST(Validation, NegativeSeqLensKv) {
+  Case c(with(Format::block_lists, QLayout::batched, KVLayout::paged));
+  c.at("seq_lens_kv", {1}) = -3;
+  expect_rejected(c, "seq_lens_kv", "seq_lens_kv[1] = -3 is negative");
+}
+
+TEST(Validation, BlockInPartialAndFull) {
+  Case c(lists());
+  c.set_row("partial", 1, 1, 2, {0, 1});
+  c.set_row("full", 1, 1, 2, {1, 2});
+  expect_rejected(c, "full.indices", "row (b=1, hs=1, qb=2): KV block 1 is in both the partial and the full set");
+}
+
+TEST(Validation, BitmaskBlockInPartialAndFull) {
+  Case c(with(Format::bitmask, QLayout::batched, KVLayout::contiguous));
+  c.at("partial.bits", {0, 0, 0, 0}) |= 1 << 2;  // block 2 of this row is full in the base
+  expect_rejected(c, "full.bits", "row (b=0, hs=0, qb=0): KV block 2 is in both the partial and the full set");
+}
+
+TEST(Validation, ExplicitProxySetIndexOutOfRange) {
+  Options o = lists();
+  o.features = true;
+  Case c(o);
+  c.at("proxy.indices", {0, 0, 0, 0}) = 5;
+  c.at("proxy.counts", {0, 0, 0}) = 1;
+  expect_rejected(c, "proxy.indices", "row (b=0, hs=0, qb=0) entry 0 = 5 is outside [0, nKB(b) = 3)");
+}
+
+TEST(Validation, CapacityOverflowWritesNothing) {
+  Case c(lists());
+  c.p.max_routes_per_row = 1;
+  expect_rejected(c, "max_routes_per_row", "needs");
+}
+
+TEST(Validation, ValuesUncheckedWhenValidateIsOffButStructureIsChecked) {
+  Case c(lists_without_full());
+  c.set_row("partial", 1, 0, 2, {0, 7});  // out of range: dropped by route preparation, never read
+  c.p.validate = false;
+  Plan plan(c.p);
+  EXPECT_NO_THROW(plan.run(c.in, c.out));
+  c.in.q.dtype = DType::bf16;
+  EXPECT_THROW(plan.run(c.in, c.out), Error);
+}
+
+}  // namespace
