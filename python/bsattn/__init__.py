@@ -10,7 +10,7 @@ its ``argument`` attribute names the offending argument.
 
 from . import adapters, sparsity
 from ._api import Plan, Summaries, attention, build_summaries, varlen_block_offsets
-from ._bsattn import BsattnError
+from ._bsattn import BsattnError, built_with_cuda
 from .adapters import from_block_mask, from_dense_block_mask, from_flash_attention, from_flashinfer_bsr
 from .mask import Mask
 from .sparsity import BSR, AllBlocks, Bitmask, BlockLists, Sparsity, VarlenBlockLists
@@ -19,6 +19,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllBlocks", "BSR", "Bitmask", "BlockLists", "BsattnError", "Mask", "Plan", "Sparsity", "Summaries",
-    "VarlenBlockLists", "adapters", "attention", "build_summaries", "from_block_mask", "from_dense_block_mask",
-    "from_flash_attention", "from_flashinfer_bsr", "sparsity", "varlen_block_offsets",
+    "VarlenBlockLists", "adapters", "attention", "build_summaries", "built_with_cuda", "from_block_mask",
+    "from_dense_block_mask", "from_flash_attention", "from_flashinfer_bsr", "sparsity", "varlen_block_offsets",
 ]

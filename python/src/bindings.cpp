@@ -285,6 +285,11 @@ nb::dict tiles_dict(const bsattn::TileShape& t) {
 
 NB_MODULE(_bsattn, m) {
   m.doc() = "bsattn C++ API (use the bsattn package, not this module directly)";
+#if BSATTN_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
 
   // bsattn::Error -> BsattnError(ValueError) with the library's message and its `argument`.
   static PyObject* error_type =
