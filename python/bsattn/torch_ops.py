@@ -16,6 +16,7 @@ workspace: they must not run concurrently on different streams. Capture needs
 ``validate=False``: value validation reads metadata on the host.
 """
 
+import atexit
 import collections
 import threading
 
@@ -36,6 +37,8 @@ torch.library.define("bsattn::attention_out", f"({_INPUT_SCHEMA}, Tensor(a!) out
 _MAX_PLANS = 32
 _plans = collections.OrderedDict()  # problem -> (plan, lock), least recently used first
 _plans_lock = threading.Lock()
+# Plans hold C++ resources: release them before the interpreter tears the extension down.
+atexit.register(_plans.clear)
 
 
 def _cached_plan(problem):
