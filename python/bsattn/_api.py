@@ -23,18 +23,17 @@ SLOT_NAMES = (
 # Bit words: int32 tensors are read as uint32 (PyTorch has no general uint32).
 _BIT_SLOTS = frozenset({"partial.bits", "full.bits", "proxy.bits", "kv_valid"})
 
-# Primitive options, in the order the torch op receives them, with their schema types and
-# defaults. 0 / "" mean "derive it" (scale: 1/sqrt(D); max_seqlen_*: from the tensors;
-# out_dtype: q's dtype; num_threads: all cores).
+# Primitive options with their schema types, in the order the torch op receives them. 0 and ""
+# mean "derive it": scale 1/sqrt(D), max_seqlen_* from the tensors, out_dtype q's dtype,
+# num_threads all cores.
 OPTIONS = (
-    ("sparsity_format", "str", "all_blocks"), ("block_q", "int", 128), ("block_kv", "int", 128),
-    ("sparsity_batch", "int", 1), ("sparsity_heads", "int", 1),
-    ("causal", "bool", False), ("alignment", "str", "bottom_right"), ("window_left", "int", -1),
-    ("window_right", "int", -1), ("sink_tokens", "int", 0),
-    ("scale", "float", 0.0), ("max_seqlen_q", "int", 0), ("max_seqlen_kv", "int", 0),
-    ("out_dtype", "str", ""), ("return_lse", "bool", False), ("validate", "bool", True), ("num_threads", "int", 0),
+    ("sparsity_format", "str"), ("block_q", "int"), ("block_kv", "int"), ("sparsity_batch", "int"),
+    ("sparsity_heads", "int"), ("causal", "bool"), ("alignment", "str"), ("window_left", "int"),
+    ("window_right", "int"), ("sink_tokens", "int"), ("scale", "float"), ("max_seqlen_q", "int"),
+    ("max_seqlen_kv", "int"), ("out_dtype", "str"), ("return_lse", "bool"), ("validate", "bool"),
+    ("num_threads", "int"),
 )
-OPTION_NAMES = tuple(name for name, _, _ in OPTIONS)
+OPTION_NAMES = tuple(name for name, _ in OPTIONS)
 
 
 class Summaries(tuple):
@@ -58,7 +57,8 @@ def _flatten(sparsity, mask, proxy, *, scale, out_dtype, return_lse, validate, n
     """(slots, options): every tensor by slot name (None where absent) and the primitive options."""
     sparsity = AllBlocks() if sparsity is None else sparsity
     if not isinstance(sparsity, Sparsity):
-        raise _tensors.fail("sparsity", f"expected a bsattn sparsity object (see bsattn.adapters), got {type(sparsity).__name__}")
+        raise _tensors.fail("sparsity", "expected a bsattn sparsity object (see bsattn.adapters), "
+                            f"got {type(sparsity).__name__}")
     mask = NO_MASK if mask is None else mask
     if not isinstance(mask, Mask):
         raise _tensors.fail("mask", f"expected a bsattn.Mask, got {type(mask).__name__}")
@@ -80,7 +80,7 @@ def _flatten(sparsity, mask, proxy, *, scale, out_dtype, return_lse, validate, n
         sparsity_format=sparsity.format, block_q=sparsity.block_size[0], block_kv=sparsity.block_size[1],
         sparsity_batch=int(sparsity_batch), sparsity_heads=int(sparsity_heads), **mask.options(),
         scale=0.0 if scale is None else float(scale), max_seqlen_q=int(max_seqlen_q or 0),
-        max_seqlen_kv=int(max_seqlen_k or 0), out_dtype=out_dtype or "", return_lse=bool(return_lse),
+        max_seqlen_kv=int(max_seqlen_k or 0), out_dtype=_tensors.dtype_label(out_dtype), return_lse=bool(return_lse),
         validate=bool(validate), num_threads=int(num_threads))
     return slots, options
 

@@ -52,6 +52,19 @@ def dtype_name(t):
     return _DTYPE_NAMES.get(name, name)
 
 
+def dtype_label(dtype):
+    """An output dtype given as 'f32' / 'f16' / 'bf16', or as a NumPy, ml_dtypes or PyTorch
+    dtype, as the library's name; None gives '' (the input dtype)."""
+    if dtype is None:
+        return ""
+    if dtype in ("f32", "f16", "bf16"):
+        return dtype
+    name = _DTYPE_NAMES.get(str(np.dtype(dtype) if isinstance(dtype, type) else dtype).rsplit(".", 1)[-1])
+    if name not in ("f32", "f16", "bf16"):
+        raise fail("out_dtype", f"expected float32, float16 or bfloat16, got {dtype}")
+    return name
+
+
 def shape_of(t):
     return tuple(int(s) for s in t.shape)
 

@@ -24,7 +24,7 @@ import torch
 
 from . import _api, _bsattn, _tensors
 
-_OPTION_SCHEMA = ", ".join(f"{kind} {name}" for name, kind, _ in _api.OPTIONS)
+_OPTION_SCHEMA = ", ".join(f"{kind} {name}" for name, kind in _api.OPTIONS)
 _INPUT_SCHEMA = f"Tensor q, Tensor k, Tensor v, Tensor?[] slots, {_OPTION_SCHEMA}"
 _CU_SEQLENS_Q = _api.SLOT_NAMES.index("cu_seqlens_q")
 _OUT_DTYPE = _api.OPTION_NAMES.index("out_dtype")

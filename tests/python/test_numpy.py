@@ -188,7 +188,7 @@ def test_gqa(rng, sparsity_heads):
 def test_float16_and_strided_inputs(rng):
     """fp16 in, fp32 out; Q and K/V as [B, H, S, D] storage viewed as [B, S, H, D]."""
     q, k, v = (x.transpose(0, 2, 1, 3) for x in random_qkv(rng, (2, 4, 96, 64), (2, 4, 96, 64), np.float16))
-    out = bsattn.attention(q, k, v, mask=bsattn.Mask(causal=True), out_dtype="f32")
+    out = bsattn.attention(q, k, v, mask=bsattn.Mask(causal=True), out_dtype=np.float32)
     assert out.dtype == np.float32
     dense = np.ones(blocks_shape(1, 1, 96, 96, (128, 128)), bool)
     expected, _ = reference_batched(q, k, v, dense, None, (128, 128), reference.MaskSpec(causal=True))
