@@ -105,8 +105,9 @@ def _max_length(cu_seqlens, used, fallback):
 
 
 def output_shapes(q, varlen, return_lse):
-    """(out shape, lse shape or None): O has Q's shape; LSE is [B, Hq, Sq] or [Hq, total_q]."""
-    shape = _tensors.shape_of(q)
+    """(out shape, lse shape or None): O has Q's shape; LSE is [B, Hq, Sq] or [Hq, total_q].
+    Sizes stay as the tensor gives them (symbolic under torch.compile's dynamic shapes)."""
+    shape = tuple(q.shape)
     if not return_lse:
         return shape, None
     return shape, ((shape[1], shape[0]) if varlen else (shape[0], shape[2], shape[1]))

@@ -99,3 +99,12 @@ def test_plan_with_torch_tensors_and_errors():
     indices = torch.full((1, 1, 3, 1), 9, dtype=torch.int32)
     with pytest.raises(bsattn.BsattnError, match=r"partial\.indices"):
         bsattn.attention(q, k, v, bsattn.BlockLists(counts, indices, block_size=64))
+
+
+def test_compile_with_dynamic_sequence_length():
+    compiled = torch.compile(lambda q, k, v: bsattn.attention(q, k, v, mask=bsattn.Mask(causal=True)),
+                             fullgraph=True, dynamic=True)
+    for seqlen in (64, 100, 130):
+        q, k, v = (torch.randn(1, seqlen, 2, 32) for _ in range(3))
+        expected = bsattn.attention(q, k, v, mask=bsattn.Mask(causal=True))
+        torch.testing.assert_close(compiled(q, k, v), expected, atol=0, rtol=0)
