@@ -35,7 +35,8 @@ fi
 if [[ " $STEPS " == *" sass "* ]]; then
   echo "== SASS"
   cuobjdump --dump-sass "$LIB" > "$OUT/sass.txt" 2>&1
-  echo "HGMMA: $(grep -c HGMMA "$OUT/sass.txt")  LDL/STL (local memory): $(grep -cE '\b(LDL|STL)\b' "$OUT/sass.txt")"
+  # Per forward-kernel function: HGMMA count and local-memory instructions (must be 0).
+  awk '/Function : /{f=$3} f ~ /forward_kernel/ && /HGMMA/{h[f]++} f ~ /forward_kernel/ && /(LDL|STL)/{l[f]++} END{for (k in h) printf "%s HGMMA=%d LDL/STL=%d\n", k, h[k], l[k]+0}' "$OUT/sass.txt" | tee "$OUT/sass_summary.txt"
   gzip -f "$OUT/sass.txt"
 fi
 

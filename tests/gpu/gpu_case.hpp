@@ -347,6 +347,8 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
         }
         Buffer* bc = c->add_values(DType::i32, cnt, {Bs, Hs, nQB});
         Buffer* bi = c->add_values(DType::i32, idx, {Bs, Hs, nQB, nKB});
+        bc->upload();
+        bi->upload();
         host.counts = bc->view(Device::cpu);
         host.indices = bi->view(Device::cpu);
         dev.counts = bc->view(Device::cuda);
@@ -372,6 +374,8 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
             }
         Buffer* bc = c->add_values(DType::i32, cnt, {Hs, tm});
         Buffer* bi = c->add_values(DType::i32, idx, {Hs, tn});
+        bc->upload();
+        bi->upload();
         host.counts = bc->view(Device::cpu);
         host.indices = bi->view(Device::cpu);
         dev.counts = bc->view(Device::cuda);
@@ -394,6 +398,8 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
         if (indices.empty()) indices.push_back(0);
         Buffer* bp = c->add_values(DType::i32, indptr, {static_cast<std::int64_t>(indptr.size())});
         Buffer* bi = c->add_values(DType::i32, indices, {static_cast<std::int64_t>(indices.size())});
+        bp->upload();
+        bi->upload();
         host.indptr = bp->view(Device::cpu);
         host.indices = bi->view(Device::cpu);
         dev.indptr = bp->view(Device::cuda);
@@ -426,6 +432,7 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
             for (int kb : rows[r]) words[r * W + kb / 32] |= 1u << (kb % 32);
           bw = c->add_values(DType::u32, words, {Bs, Hs, nQB, W});
         }
+        bw->upload();
         host.bits = bw->view(Device::cpu);
         dev.bits = bw->view(Device::cuda);
         return;
