@@ -48,7 +48,8 @@ class Mask:
     def __repr__(self):
         window = (self.window_left, self.window_right)
         return (f"Mask(causal={self.causal}, alignment={self.alignment!r}, window={window}, "
-                f"sink_tokens={self.sink_tokens}, doc_ids={self.doc_q is not None}, kv_valid={self.kv_valid is not None})")
+                f"sink_tokens={self.sink_tokens}, doc_ids={self.doc_q is not None}, "
+                f"kv_valid={self.kv_valid is not None})")
 
 
 NO_MASK = Mask()

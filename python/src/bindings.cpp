@@ -185,8 +185,8 @@ struct Bound {
     Array a;
     if (!nb::try_cast(source, a)) {
       constexpr bool writable = std::is_same_v<Array, WriteArray>;
-      throw Error(name, std::string(writable ? "expected a writable DLPack tensor, got " : "expected a DLPack tensor, got ") +
-                            nb::inst_name(source).c_str());
+      const std::string expected = writable ? "expected a writable DLPack tensor" : "expected a DLPack tensor";
+      throw Error(name, expected + ", got " + nb::inst_name(source).c_str());
     }
     bsattn::TensorView t;
     if (a.ndim() > static_cast<std::size_t>(bsattn::TensorView::kMaxRank))
@@ -361,7 +361,4 @@ NB_MODULE(_bsattn, m) {
         bsattn::varlen_block_offsets(p, bound.inputs, m_blocks, offsets, to_stream(stream));
       },
       "problem"_a, "inputs"_a, "cu_total_m_blocks"_a, "cu_block_idx_offsets"_a, "stream"_a = 0);
-
-  m.def("choose_tiles", [](const nb::dict& problem) { return tiles_dict(bsattn::choose_tiles(problem_from_dict(problem))); },
-        "problem"_a);
 }

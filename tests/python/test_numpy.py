@@ -140,7 +140,8 @@ def test_bitmask(rng, word_dtype):
 MASKS = {
     "causal": (dict(causal=True), reference.MaskSpec(causal=True)),
     "causal_top_left": (dict(causal=True, alignment="top_left"), reference.MaskSpec(causal=True, top_left=True)),
-    "sliding_window": (dict(causal=True, window=(48, 0)), reference.MaskSpec(causal=True, window_left=48, window_right=0)),
+    "sliding_window": (dict(causal=True, window=(48, 0)),
+                       reference.MaskSpec(causal=True, window_left=48, window_right=0)),
     "window_both_sides": (dict(window=(20, 30)), reference.MaskSpec(window_left=20, window_right=30)),
     "window_with_sinks": (dict(causal=True, window=(16, None), sink_tokens=8),
                           reference.MaskSpec(causal=True, window_left=16, sink_tokens=8)),
@@ -267,8 +268,8 @@ def test_proxy_eligible_and_explicit(rng):
     assert_close(out, expected, np.float32)
 
     chosen = random_blocks(rng, dense.shape)
-    sparsity = bsattn.BlockLists(*lists, block_size=block_size,
-                                 proxy_counts=reference.block_lists(chosen)[0], proxy_indices=reference.block_lists(chosen)[1])
+    proxy_counts, proxy_indices = reference.block_lists(chosen)
+    sparsity = bsattn.BlockLists(*lists, block_size=block_size, proxy_counts=proxy_counts, proxy_indices=proxy_indices)
     out = bsattn.attention(q, k, v, sparsity, proxy=summaries)
     expected, _ = reference_batched(q, k, v, dense, None, block_size, proxy=chosen, summaries=summaries)
     assert_close(out, expected, np.float32)

@@ -49,7 +49,8 @@ def test_varlen_packed_against_reference():
     q, k, v = (torch.randn(n, h, 128, dtype=torch.bfloat16, device="cuda")
                for n, h in ((cu_q[-1], 4), (cu_k[-1], 2), (cu_k[-1], 2)))
     cuda = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
-    sparsity = bsattn.from_flash_attention((cuda(counts), cuda(indices), None, None, cuda(cu_m), cuda(cu_n)), block_size)
+    fields = (cuda(counts), cuda(indices), None, None, cuda(cu_m), cuda(cu_n))
+    sparsity = bsattn.from_flash_attention(fields, block_size)
     out = bsattn.attention(q, k, v, sparsity, cu_seqlens_q=cuda(cu_q), cu_seqlens_k=cuda(cu_k),
                            max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k), mask=bsattn.Mask(causal=True))
     expected, _ = reference_varlen(*(t.float().cpu().numpy() for t in (q, k, v)), cu_q, cu_k, dense, block_size,
