@@ -251,7 +251,8 @@ class Plan:
     ``plan(q, k, v, sparsity=None, *, out=None, lse=None, stream=None, **kwargs)`` reuses every
     argument it does not repeat. Tensors may change between calls (values and addresses), shapes
     and options may not: a call that describes another problem raises BsattnError naming the
-    first difference.
+    first difference. Varlen plans should pass ``max_seqlen_q`` / ``max_seqlen_k``: lengths read
+    from the metadata would change the problem from call to call.
     """
 
     def __init__(self, q, k, v, sparsity=None, **kwargs):

@@ -347,3 +347,28 @@ def test_structural_errors(rng):
         bsattn.attention(q[0], k[0], v[0], cu_seqlens_q=np.array([0, 64], np.int32))
     with pytest.raises(bsattn.BsattnError, match="alignment"):
         bsattn.Mask(alignment="middle")
+
+
+def test_varlen_queries_with_paged_kv_and_seqused_k(rng):
+    """Varlen Q over a paged cache, and varlen Q over packed KV of which only seqused_k is used."""
+    page_size, hkv, d = 16, 2, 32
+    cu_q = np.array([0, 10, 10, 40], np.int32)
+    lengths = np.array([50, 7, 33], np.int32)
+    k_cache, v_cache = (rng.standard_normal((12, page_size, hkv, d)).astype(np.float32) for _ in range(2))
+    table = rng.permutation(12)[:12].reshape(3, 4).astype(np.int32)
+    q = rng.standard_normal((40, 4, d)).astype(np.float32)
+    mask = bsattn.Mask(causal=True)
+    paged = bsattn.attention(q, k_cache, v_cache, cu_seqlens_q=cu_q, block_table=table, seq_lens_kv=lengths, mask=mask)
+
+    gathered = [np.concatenate([c[p] for p in row])[:n] for c in (k_cache, v_cache) for row, n in zip(table, lengths)]
+    k = np.concatenate(gathered[:3] + [np.zeros((5, hkv, d), np.float32)])  # a used prefix per sequence
+    v = np.concatenate(gathered[3:] + [np.zeros((5, hkv, d), np.float32)])
+    cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    cu_k_padded = cu_k.copy()
+    cu_k_padded[-1] += 5
+    used = bsattn.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k_padded, seqused_k=lengths, mask=mask)
+
+    dense = [np.ones((1, 1, 1), bool)] * 3
+    expected, _ = reference_varlen(q, k, v, cu_q, cu_k, dense, (128, 128), reference.MaskSpec(causal=True))
+    assert_close(paged, expected, np.float32)
+    assert_close(used, expected, np.float32)
