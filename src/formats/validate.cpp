@@ -30,8 +30,10 @@ constexpr std::int64_t kVectorAlignment = 16;
 
 std::string str(std::int64_t v) { return std::to_string(v); }
 
-void expect(bool ok, const std::string& argument, const std::string& message) {
-  if (!ok) throw Error(argument, message);
+// Messages are built only on failure: the structural checks run on every call.
+template <class Name, class Message>
+void expect(bool ok, const Name& argument, const Message& message) {
+  if (!ok) throw Error(argument, message());
 }
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
@@ -69,47 +71,50 @@ const char* proxy_name(Proxy p) {
 // ---- Plan time -----------------------------------------------------------------------------
 
 void expect_positive(const char* name, std::int64_t value) {
-  expect(value > 0, name, "= " + str(value) + ", expected a positive value");
+  expect(value > 0, name, [&] { return "= " + str(value) + ", expected a positive value"; });
 }
 
 void expect_at_least(const char* name, std::int64_t value, std::int64_t lowest) {
-  expect(value >= lowest, name, "= " + str(value) + ", expected at least " + str(lowest));
+  expect(value >= lowest, name, [&] { return "= " + str(value) + ", expected at least " + str(lowest); });
 }
 
 // Enumerations arrive from bindings as plain integers; anything past the last enumerator is garbage.
 template <class Enum>
 void expect_known(const char* name, Enum value, Enum last) {
   const int v = static_cast<int>(value);
-  expect(v >= 0 && v <= static_cast<int>(last), name, "= " + str(v) + " is not a known value");
+  expect(v >= 0 && v <= static_cast<int>(last), name, [&] { return "= " + str(v) + " is not a known value"; });
 }
 
 void expect_int32_extent(const char* name, std::int64_t extent, const std::string& what) {
-  expect(extent <= kInt32Max, name,
-         what + " = " + str(extent) + " exceeds the int32 range the kernels index with (" + str(kInt32Max) + ")");
+  expect(extent <= kInt32Max, name, [&] {
+    return what + " = " + str(extent) + " exceeds the int32 range the kernels index with (" + str(kInt32Max) + ")";
+  });
 }
 
 void expect_float_dtype(const char* name, DType dtype) {
   expect(dtype == DType::f32 || dtype == DType::f16 || dtype == DType::bf16, name,
-         std::string("= ") + to_string(dtype) + ", expected f32, f16 or bf16");
+         [&] { return std::string("= ") + to_string(dtype) + ", expected f32, f16 or bf16"; });
 }
 
 void check_block_and_tiles(const Problem& pb, const TileShape& tiles) {
   const int bq = pb.block.q, bk = pb.block.kv;
   expect(bq == 16 || bq == 32 || (bq > 0 && bq % 64 == 0), "problem.block.q",
-         "Bq = " + str(bq) + " is not supported, expected 16, 32 or a positive multiple of 64");
+         [&] { return "Bq = " + str(bq) + " is not supported, expected 16, 32 or a positive multiple of 64"; });
   expect(bk > 0 && bk % 16 == 0, "problem.block.kv",
-         "Bk = " + str(bk) + " is not supported, expected a positive multiple of 16");
+         [&] { return "Bk = " + str(bk) + " is not supported, expected a positive multiple of 16"; });
   expect_at_least("problem.tile_m", pb.tile_m, 0);
   expect_at_least("problem.tile_n", pb.tile_n, 0);
 
   // Valid block sizes always get valid automatic tiles; an error here names the override.
   const int tm = tiles.tile_m, tn = tiles.tile_n;
-  expect(tm % 16 == 0, "problem.tile_m", "tile_m = " + str(tm) + " is not a multiple of 16");
-  expect(bq % tm == 0 || (tm % bq == 0 && tm / bq <= route::kMaxUnitsPerTile), "problem.tile_m",
-         "tile_m = " + str(tm) + " does not fit Bq = " + str(bq) + ": expected a divisor of Bq, or a multiple of Bq at most " +
-             str(route::kMaxUnitsPerTile) + " times Bq");
-  expect(tn % 16 == 0 && bk % tn == 0, "problem.tile_n",
-         "tile_n = " + str(tn) + " does not fit Bk = " + str(bk) + ": expected a multiple of 16 that divides Bk");
+  expect(tm % 16 == 0, "problem.tile_m", [&] { return "tile_m = " + str(tm) + " is not a multiple of 16"; });
+  expect(bq % tm == 0 || (tm % bq == 0 && tm / bq <= route::kMaxUnitsPerTile), "problem.tile_m", [&] {
+    return "tile_m = " + str(tm) + " does not fit Bq = " + str(bq) +
+           ": expected a divisor of Bq, or a multiple of Bq at most " + str(route::kMaxUnitsPerTile) + " times Bq";
+  });
+  expect(tn % 16 == 0 && bk % tn == 0, "problem.tile_n", [&] {
+    return "tile_n = " + str(tn) + " does not fit Bk = " + str(bk) + ": expected a multiple of 16 that divides Bk";
+  });
 }
 
 void check_layouts(const Problem& pb) {
@@ -127,9 +132,10 @@ void check_layouts(const Problem& pb) {
     expect_positive("problem.pages_per_seq", pb.pages_per_seq);
     const std::int64_t readable = static_cast<std::int64_t>(pb.pages_per_seq) * pb.page_size;
     expect_int32_extent("problem.pages_per_seq", readable, "pages_per_seq * page_size");
-    expect(pb.max_seqlen_kv <= readable, "problem.max_seqlen_kv",
-           "= " + str(pb.max_seqlen_kv) + " does not fit in pages_per_seq * page_size = " + str(pb.pages_per_seq) +
-               " * " + str(pb.page_size) + " = " + str(readable));
+    expect(pb.max_seqlen_kv <= readable, "problem.max_seqlen_kv", [&] {
+      return "= " + str(pb.max_seqlen_kv) + " does not fit in pages_per_seq * page_size = " + str(pb.pages_per_seq) +
+             " * " + str(pb.page_size) + " = " + str(readable);
+    });
   }
 }
 
@@ -137,36 +143,46 @@ void check_features(const Problem& pb) {
   expect_at_least("problem.mask.window_left", pb.mask.window_left, -1);
   expect_at_least("problem.mask.window_right", pb.mask.window_right, -1);
   expect_at_least("problem.mask.sink_tokens", pb.mask.sink_tokens, 0);
-  expect(std::isfinite(pb.scale), "problem.scale", "= " + std::to_string(pb.scale) + ", expected a finite value");
+  expect(std::isfinite(pb.scale), "problem.scale",
+         [&] { return "= " + std::to_string(pb.scale) + ", expected a finite value"; });
 
   const bool sets = pb.format != Format::all_blocks;
-  expect(sets || !pb.has_full, "problem.has_full",
-         "format all_blocks has no sparsity tensors, so there is no full set; use block_lists or bitmask");
-  expect(sets || pb.proxy == Proxy::off, "problem.proxy",
-         "format all_blocks computes every block exactly, so nothing is left for proxies; use a format with sets");
-  expect(!sets || pb.has_partial || pb.has_full, "problem.has_partial",
-         std::string("format ") + format_name(pb.format) + " with neither a partial nor a full set selects nothing");
-  expect(pb.format != Format::varlen_block_lists || is_varlen(pb), "problem.format",
-         "varlen_block_lists needs q_layout varlen (its offsets come from cu_seqlens_q); use block_lists for batched Q");
+  expect(sets || !pb.has_full, "problem.has_full", [&] {
+    return "format all_blocks has no sparsity tensors, so there is no full set; use block_lists or bitmask";
+  });
+  expect(sets || pb.proxy == Proxy::off, "problem.proxy", [&] {
+    return "format all_blocks computes every block exactly, so nothing is left for proxies; use a format with sets";
+  });
+  expect(!sets || pb.has_partial || pb.has_full, "problem.has_partial", [&] {
+    return std::string("format ") + format_name(pb.format) + " with neither a partial nor a full set selects nothing";
+  });
+  expect(pb.format != Format::varlen_block_lists || is_varlen(pb), "problem.format", [&] {
+    return "varlen_block_lists needs q_layout varlen (its offsets come from cu_seqlens_q); use block_lists for batched "
+           "Q";
+  });
 
   const int hs = pb.sparsity_heads;
-  expect(hs == 1 || hs == pb.heads_kv || hs == pb.heads_q, "problem.sparsity_heads",
-         "= " + str(hs) + ", expected 1, heads_kv = " + str(pb.heads_kv) + " or heads_q = " + str(pb.heads_q));
+  expect(hs == 1 || hs == pb.heads_kv || hs == pb.heads_q, "problem.sparsity_heads", [&] {
+    return "= " + str(hs) + ", expected 1, heads_kv = " + str(pb.heads_kv) + " or heads_q = " + str(pb.heads_q);
+  });
   const int bs = pb.sparsity_batch;
   expect(bs == 1 || bs == pb.batch, "problem.sparsity_batch",
-         "= " + str(bs) + ", expected 1 (broadcast) or batch = " + str(pb.batch));
-  expect(bs == 1 || !has_varlen_rows(pb), "problem.sparsity_batch",
-         "= " + str(bs) + ", but format " + format_name(pb.format) +
-             " with varlen Q enumerates rows per sequence; expected 1");
+         [&] { return "= " + str(bs) + ", expected 1 (broadcast) or batch = " + str(pb.batch); });
+  expect(bs == 1 || !has_varlen_rows(pb), "problem.sparsity_batch", [&] {
+    return "= " + str(bs) + ", but format " + format_name(pb.format) +
+           " with varlen Q enumerates rows per sequence; expected 1";
+  });
 }
 
 void check_int32_extents(const Problem& pb, const TileShape& tiles) {
   // Token positions are ints: a tile or block may start at max_seqlen and run one size past it.
-  expect_int32_extent("problem.max_seqlen_q", static_cast<std::int64_t>(pb.max_seqlen_q) + std::max(pb.block.q, tiles.tile_m),
+  expect_int32_extent("problem.max_seqlen_q",
+                      static_cast<std::int64_t>(pb.max_seqlen_q) + std::max(pb.block.q, tiles.tile_m),
                       "max_seqlen_q + max(Bq, tile_m)");
   expect_int32_extent("problem.max_seqlen_kv", static_cast<std::int64_t>(pb.max_seqlen_kv) + pb.block.kv,
                       "max_seqlen_kv + Bk");
-  const std::int64_t route_rows = static_cast<std::int64_t>(pb.batch) * pb.sparsity_heads * ceil_div(pb.max_seqlen_q, tiles.tile_m);
+  const std::int64_t route_rows =
+      static_cast<std::int64_t>(pb.batch) * pb.sparsity_heads * ceil_div(pb.max_seqlen_q, tiles.tile_m);
   expect_int32_extent("problem.batch", route_rows, "route rows batch * sparsity_heads * ceil(max_seqlen_q / tile_m)");
   const std::int64_t kv_blocks = ceil_div(pb.max_seqlen_kv, pb.block.kv);
   expect_int32_extent("problem.max_seqlen_kv", kv_blocks * (pb.block.kv / tiles.tile_n + 1),
@@ -225,44 +241,51 @@ bool overlap(const ByteRange& a, const ByteRange& b) {
 
 void expect_device(const std::string& name, const TensorView& t, const Problem& pb) {
   const bool same = t.device == pb.device && (pb.device == Device::cpu || t.device_index == pb.device_index);
-  expect(same, name,
-         std::string("is on ") + to_string(t.device) + ":" + str(t.device_index) + ", but the problem runs on " +
-             to_string(pb.device) + ":" + str(pb.device_index));
+  expect(same, name, [&] {
+    return std::string("is on ") + to_string(t.device) + ":" + str(t.device_index) + ", but the problem runs on " +
+           to_string(pb.device) + ":" + str(pb.device_index);
+  });
 }
 
 void expect_shape(const std::string& name, const TensorView& t, const std::vector<Dim>& dims) {
-  expect(t.rank == static_cast<int>(dims.size()), name,
-         "has rank " + str(t.rank) + " (shape " + t.shape_string() + "), expected rank " + str(dims.size()) + " " +
-             describe(dims));
+  expect(t.rank == static_cast<int>(dims.size()), name, [&] {
+    return "has rank " + str(t.rank) + " (shape " + t.shape_string() + "), expected rank " + str(dims.size()) + " " +
+           describe(dims);
+  });
   for (int i = 0; i < t.rank; ++i)
-    expect(t.shape[i] >= dims[i].lowest && t.shape[i] <= dims[i].highest, name,
-           "has shape " + t.shape_string() + ", expected " + describe(dims) + ": dimension " + str(i) + " (" +
-               dims[i].label + ") is " + str(t.shape[i]));
+    expect(t.shape[i] >= dims[i].lowest && t.shape[i] <= dims[i].highest, name, [&] {
+      return "has shape " + t.shape_string() + ", expected " + describe(dims) + ": dimension " + str(i) + " (" +
+             dims[i].label + ") is " + str(t.shape[i]);
+    });
 }
 
 void expect_dtype(const std::string& name, const TensorView& t, DType dtype) {
-  expect(t.dtype == dtype, name, std::string("has dtype ") + to_string(t.dtype) + ", expected " + to_string(dtype));
+  expect(t.dtype == dtype, name,
+         [&] { return std::string("has dtype ") + to_string(t.dtype) + ", expected " + to_string(dtype); });
 }
 
 void expect_strides(const std::string& name, const TensorView& t, Access access) {
   for (int i = 0; i < t.rank; ++i)
-    expect(t.stride[i] >= 0, name, "stride " + str(i) + " = " + str(t.stride[i]) + " is negative; expected strides >= 0");
+    expect(t.stride[i] >= 0, name,
+           [&] { return "stride " + str(i) + " = " + str(t.stride[i]) + " is negative; expected strides >= 0"; });
   const int last = t.rank - 1;
   if (access != Access::strided && t.rank > 0)
     expect(t.stride[last] == 1 || t.shape[last] <= 1, name,
-           "last dimension has stride " + str(t.stride[last]) + ", expected 1 (contiguous)");
+           [&] { return "last dimension has stride " + str(t.stride[last]) + ", expected 1 (contiguous)"; });
   const std::int64_t elem = static_cast<std::int64_t>(element_size(t.dtype));
   const std::int64_t alignment = access == Access::vectors ? kVectorAlignment : elem;
   const auto misalignment = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(t.data) % alignment);
-  expect(misalignment == 0, name,
-         "base address is " + str(misalignment) + " bytes past a " + str(alignment) + "-byte boundary, expected " +
-             str(alignment) + "-byte alignment");
+  expect(misalignment == 0, name, [&] {
+    return "base address is " + str(misalignment) + " bytes past a " + str(alignment) + "-byte boundary, expected " +
+           str(alignment) + "-byte alignment";
+  });
   if (access != Access::vectors) return;
   // Dimensions of extent 1 are never stepped over, so their strides do not matter.
   for (int i = 0; i < last; ++i)
-    expect(t.shape[i] <= 1 || (t.stride[i] * elem) % alignment == 0, name,
-           "stride " + str(i) + " = " + str(t.stride[i]) + " elements (" + str(t.stride[i] * elem) + " bytes) is not a multiple of " +
-               str(alignment) + " bytes");
+    expect(t.shape[i] <= 1 || (t.stride[i] * elem) % alignment == 0, name, [&] {
+      return "stride " + str(i) + " = " + str(t.stride[i]) + " elements (" + str(t.stride[i] * elem) +
+             " bytes) is not a multiple of " + str(alignment) + " bytes";
+    });
 }
 
 // Two output elements sharing an address would be written by two workers.
@@ -273,9 +296,10 @@ void expect_no_self_overlap(const std::string& name, const TensorView& t) {
   std::sort(dims.begin(), dims.end(), [&](int a, int b) { return t.stride[a] < t.stride[b]; });
   std::int64_t span = 1;  // elements covered by the dimensions inside the current one
   for (int i : dims) {
-    expect(t.stride[i] >= span, name,
-           "dimension " + str(i) + " has stride " + str(t.stride[i]) + " but the dimensions inside it span " + str(span) +
-               " elements: distinct elements would share memory");
+    expect(t.stride[i] >= span, name, [&] {
+      return "dimension " + str(i) + " has stride " + str(t.stride[i]) + " but the dimensions inside it span " +
+             str(span) + " elements: distinct elements would share memory";
+    });
     span = t.stride[i] * (t.shape[i] - 1) + span;
   }
 }
@@ -304,7 +328,8 @@ std::vector<Field> input_fields(const Inputs& in) {
       {"k_summary", &in.k_summary},
       {"v_summary", &in.v_summary},
   };
-  const std::pair<const char*, const BlockSet*> sets[] = {{"partial", &in.partial}, {"full", &in.full}, {"proxy", &in.proxy}};
+  const std::pair<const char*, const BlockSet*> sets[] = {
+      {"partial", &in.partial}, {"full", &in.full}, {"proxy", &in.proxy}};
   static const char* const kSetFields[3][4] = {{"partial.counts", "partial.indices", "partial.indptr", "partial.bits"},
                                                {"full.counts", "full.indices", "full.indptr", "full.bits"},
                                                {"proxy.counts", "proxy.indices", "proxy.indptr", "proxy.bits"}};
@@ -326,7 +351,7 @@ class InputChecker {
 
   void require(const TensorView& t, const std::vector<Dim>& dims, DType dtype, Access access) {
     const std::string name = name_of(t);
-    expect(t.defined(), name, "is required by this problem (" + summary() + ") but not given");
+    expect(t.defined(), name, [&] { return "is required by this problem (" + summary() + ") but not given"; });
     check(pb_, name, t, dims, dtype, access);
     read_.push_back(&t);
   }
@@ -338,7 +363,7 @@ class InputChecker {
   void reject_unread() const {
     for (const Field& f : fields_)
       expect(!f.view->defined() || std::find(read_.begin(), read_.end(), f.view) != read_.end(), f.name,
-             "is given, but this problem (" + summary() + ") does not read it; leave it undefined");
+             [&] { return "is given, but this problem (" + summary() + ") does not read it; leave it undefined"; });
   }
 
   const std::vector<Field>& fields() const { return fields_; }
@@ -360,9 +385,9 @@ class InputChecker {
 
   std::string summary() const {
     return std::string("format ") + format_name(pb_.format) + ", q_layout " + (is_varlen(pb_) ? "varlen" : "batched") +
-           ", kv_layout " + (is_paged(pb_) ? "paged" : "contiguous") + ", has_partial " + (pb_.has_partial ? "true" : "false") +
-           ", has_full " + (pb_.has_full ? "true" : "false") + ", proxy " + proxy_name(pb_.proxy) +
-           ", document_ids " + (pb_.mask.document_ids ? "true" : "false") + ", kv_valid_bits " +
+           ", kv_layout " + (is_paged(pb_) ? "paged" : "contiguous") + ", has_partial " +
+           (pb_.has_partial ? "true" : "false") + ", has_full " + (pb_.has_full ? "true" : "false") + ", proxy " +
+           proxy_name(pb_.proxy) + ", document_ids " + (pb_.mask.document_ids ? "true" : "false") + ", kv_valid_bits " +
            (pb_.mask.kv_valid_bits ? "true" : "false");
   }
 
@@ -393,7 +418,8 @@ void check_block_set(InputChecker& c, const Problem& pb, const Extents& e, const
   switch (pb.format) {
     case Format::all_blocks: return;
     case Format::block_lists:
-      c.require(set.counts, {exactly("Bs", e.Bs), exactly("Hs", e.Hs), exactly("nQB", e.nQB)}, DType::i32, Access::strided);
+      c.require(set.counts, {exactly("Bs", e.Bs), exactly("Hs", e.Hs), exactly("nQB", e.nQB)}, DType::i32,
+                Access::strided);
       c.require(set.indices, {exactly("Bs", e.Bs), exactly("Hs", e.Hs), exactly("nQB", e.nQB), between("L", 0, e.nKB)},
                 DType::i32, Access::strided);
       return;
@@ -421,7 +447,8 @@ void check_block_set(InputChecker& c, const Problem& pb, const Extents& e, const
 
 std::vector<Dim> kv_dims(const Problem& pb, const Extents& e) {
   if (is_paged(pb))
-    return {exactly("num_pages", pb.num_pages), exactly("page_size", pb.page_size), exactly("Hkv", e.Hkv), exactly("D", e.D)};
+    return {exactly("num_pages", pb.num_pages), exactly("page_size", pb.page_size), exactly("Hkv", e.Hkv),
+            exactly("D", e.D)};
   if (is_varlen_kv(pb)) return {exactly("total_kv", pb.total_kv), exactly("Hkv", e.Hkv), exactly("D", e.D)};
   return {exactly("B", e.B), exactly("Skv", e.Skv), exactly("Hkv", e.Hkv), exactly("D", e.D)};
 }
@@ -433,7 +460,8 @@ void check_inputs(InputChecker& c, const Problem& pb, const Inputs& in) {
     c.require(in.q, {exactly("total_q", pb.total_q), exactly("Hq", e.Hq), exactly("D", e.D)}, dt, Access::vectors);
     c.require(in.cu_seqlens_q, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
   } else {
-    c.require(in.q, {exactly("B", e.B), exactly("Sq", e.Sq), exactly("Hq", e.Hq), exactly("D", e.D)}, dt, Access::vectors);
+    c.require(in.q, {exactly("B", e.B), exactly("Sq", e.Sq), exactly("Hq", e.Hq), exactly("D", e.D)}, dt,
+              Access::vectors);
   }
 
   if (is_paged(pb)) {
@@ -459,20 +487,25 @@ void check_inputs(InputChecker& c, const Problem& pb, const Inputs& in) {
   }
 
   if (pb.mask.document_ids) {
-    if (is_varlen(pb)) c.require(in.doc_q, {exactly("total_q", pb.total_q)}, DType::i32, Access::row_contiguous);
-    else c.require(in.doc_q, {exactly("B", e.B), exactly("Sq", e.Sq)}, DType::i32, Access::row_contiguous);
+    if (is_varlen(pb))
+      c.require(in.doc_q, {exactly("total_q", pb.total_q)}, DType::i32, Access::row_contiguous);
+    else
+      c.require(in.doc_q, {exactly("B", e.B), exactly("Sq", e.Sq)}, DType::i32, Access::row_contiguous);
     if (is_varlen_kv(pb))
       c.require(in.doc_kv, {exactly("total_kv", pb.total_kv)}, DType::i32, Access::row_contiguous);
     else if (is_paged(pb))
-      c.require(in.doc_kv, {exactly("B", e.B), exactly("C*page_size", static_cast<std::int64_t>(pb.pages_per_seq) * pb.page_size)},
+      c.require(in.doc_kv,
+                {exactly("B", e.B), exactly("C*page_size", static_cast<std::int64_t>(pb.pages_per_seq) * pb.page_size)},
                 DType::i32, Access::row_contiguous);
     else
       c.require(in.doc_kv, {exactly("B", e.B), exactly("Skv", e.Skv)}, DType::i32, Access::row_contiguous);
   }
   if (pb.mask.kv_valid_bits)
-    c.require(in.kv_valid, {exactly("B", e.B), exactly("ceil(Skv/32)", ceil_div(e.Skv, 32))}, DType::u32, Access::row_contiguous);
+    c.require(in.kv_valid, {exactly("B", e.B), exactly("ceil(Skv/32)", ceil_div(e.Skv, 32))}, DType::u32,
+              Access::row_contiguous);
   if (pb.proxy != Proxy::off) {
-    const std::vector<Dim> summary = {exactly("B", e.B), exactly("nKB", e.nKB), exactly("Hkv", e.Hkv), exactly("D", e.D)};
+    const std::vector<Dim> summary = {exactly("B", e.B), exactly("nKB", e.nKB), exactly("Hkv", e.Hkv),
+                                      exactly("D", e.D)};
     c.require(in.k_summary, summary, dt, Access::vectors);
     c.require(in.v_summary, summary, dt, Access::vectors);
   }
@@ -482,9 +515,10 @@ void check_inputs(InputChecker& c, const Problem& pb, const Inputs& in) {
 void check_outputs(const Problem& pb, const Outputs& out, const std::vector<Field>& inputs) {
   const Extents e(pb);
   const bool varlen = is_varlen(pb);
-  expect(out.out.defined(), "outputs.out", "is required but not given");
-  const std::vector<Dim> o = varlen ? std::vector<Dim>{exactly("total_q", pb.total_q), exactly("Hq", e.Hq), exactly("D", e.D)}
-                                    : std::vector<Dim>{exactly("B", e.B), exactly("Sq", e.Sq), exactly("Hq", e.Hq), exactly("D", e.D)};
+  expect(out.out.defined(), "outputs.out", [&] { return "is required but not given"; });
+  const std::vector<Dim> o =
+      varlen ? std::vector<Dim>{exactly("total_q", pb.total_q), exactly("Hq", e.Hq), exactly("D", e.D)}
+             : std::vector<Dim>{exactly("B", e.B), exactly("Sq", e.Sq), exactly("Hq", e.Hq), exactly("D", e.D)};
   InputChecker::check(pb, "outputs.out", out.out, o, pb.out_dtype, Access::vectors);
   expect_no_self_overlap("outputs.out", out.out);
   if (out.lse.defined()) {
@@ -500,10 +534,10 @@ void check_outputs(const Problem& pb, const Outputs& out, const std::vector<Fiel
     const ByteRange r = byte_range(*o.view);
     for (const Field& i : inputs)
       expect(!i.view->defined() || !overlap(r, byte_range(*i.view)), o.name,
-             std::string("overlaps input ") + i.name + " in memory; outputs must not alias inputs");
+             [&] { return std::string("overlaps input ") + i.name + " in memory; outputs must not alias inputs"; });
   }
   expect(!out.lse.defined() || !overlap(byte_range(out.out), byte_range(out.lse)), "outputs.lse",
-         "overlaps outputs.out in memory");
+         [&] { return "overlaps outputs.out in memory"; });
 }
 
 // ---- Metadata values -----------------------------------------------------------------------
@@ -579,29 +613,33 @@ class MetadataReader {
 struct Sequences {
   std::vector<route::SeqInfo> seq;
   std::vector<std::int64_t> cu_m_blocks, cu_idx_offsets;  // implied prefix sums (SPEC §3.2), B+1
-  int max_q_blocks = 0;     // the longest sequence's nQB
-  int stored_q_blocks = 0;  // ceil(max_seqlen_q / Bq): the qb extent of batched rows
+  int max_q_blocks = 0;                                   // the longest sequence's nQB
+  int stored_q_blocks = 0;                                // ceil(max_seqlen_q / Bq): the qb extent of batched rows
 };
 
 void check_cu_seqlens(const std::string& name, const HostInts& cu, std::int64_t total, const char* total_name,
                       int max_seqlen, const char* max_name) {
   const std::int64_t batch = cu.size() - 1;
-  expect(cu.at({0}) == 0, name, name + "[0] = " + str(cu.at({0})) + ", expected 0");
+  expect(cu.at({0}) == 0, name, [&] { return name + "[0] = " + str(cu.at({0})) + ", expected 0"; });
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t lo = cu.at({b}), hi = cu.at({b + 1});
-    expect(hi >= lo, name,
-           name + "[" + str(b + 1) + "] = " + str(hi) + " is below " + name + "[" + str(b) + "] = " + str(lo) + " (not monotone)");
-    expect(hi - lo <= max_seqlen, name,
-           "sequence b=" + str(b) + " has length " + str(hi - lo) + ", above " + max_name + " = " + str(max_seqlen));
+    expect(hi >= lo, name, [&] {
+      return name + "[" + str(b + 1) + "] = " + str(hi) + " is below " + name + "[" + str(b) + "] = " + str(lo) +
+             " (not monotone)";
+    });
+    expect(hi - lo <= max_seqlen, name, [&] {
+      return "sequence b=" + str(b) + " has length " + str(hi - lo) + ", above " + max_name + " = " + str(max_seqlen);
+    });
   }
-  expect(cu.at({batch}) == total, name,
-         name + "[" + str(batch) + "] = " + str(cu.at({batch})) + ", expected " + total_name + " = " + str(total));
+  expect(cu.at({batch}) == total, name, [&] {
+    return name + "[" + str(batch) + "] = " + str(cu.at({batch})) + ", expected " + total_name + " = " + str(total);
+  });
 }
 
 void expect_in_range(const std::string& name, const std::string& what, std::int64_t value, std::int64_t lowest,
                      std::int64_t highest, const std::string& bound) {
   expect(value >= lowest && value <= highest, name,
-         what + " = " + str(value) + " is outside [" + str(lowest) + ", " + str(highest) + "]" + bound);
+         [&] { return what + " = " + str(value) + " is outside [" + str(lowest) + ", " + str(highest) + "]" + bound; });
 }
 
 // Lengths and page tables; returns what the engine will derive from them.
@@ -632,12 +670,16 @@ Sequences check_lengths(const Problem& pb, const TileShape& tiles, const Inputs&
     for (int b = 0; b < pb.batch; ++b) {
       const std::int64_t len = lens.at({b});
       const std::string what = "seq_lens_kv[" + str(b) + "]";
-      expect(len >= 0, "seq_lens_kv", what + " = " + str(len) + " is negative");
-      expect(len <= readable, "seq_lens_kv",
-             what + " = " + str(len) + " needs " + str(ceil_div(len, pb.page_size)) + " pages, but only the first pages_per_seq = " +
-                 str(pb.pages_per_seq) + " entries of a block_table row are readable (the rest of the row is padding)");
-      expect(len <= pb.max_seqlen_kv, "seq_lens_kv",
-             what + " = " + str(len) + " is above max_seqlen_kv = " + str(pb.max_seqlen_kv) + ", the cache length planned for");
+      expect(len >= 0, "seq_lens_kv", [&] { return what + " = " + str(len) + " is negative"; });
+      expect(len <= readable, "seq_lens_kv", [&] {
+        return what + " = " + str(len) + " needs " + str(ceil_div(len, pb.page_size)) +
+               " pages, but only the first pages_per_seq = " + str(pb.pages_per_seq) +
+               " entries of a block_table row are readable (the rest of the row is padding)";
+      });
+      expect(len <= pb.max_seqlen_kv, "seq_lens_kv", [&] {
+        return what + " = " + str(len) + " is above max_seqlen_kv = " + str(pb.max_seqlen_kv) +
+               ", the cache length planned for";
+      });
       for (std::int64_t j = 0; j < ceil_div(len, pb.page_size); ++j)
         expect_in_range("block_table", "row b=" + str(b) + " entry " + str(j), table.at({b, j}), 0, pb.num_pages - 1,
                         " (page ids must be below num_pages = " + str(pb.num_pages) + ")");
@@ -673,9 +715,10 @@ void check_block_offsets(const Problem& pb, const Inputs& in, const Sequences& s
     const HostInts h = reader.read(name, *given[i]);
     const std::vector<std::int64_t>& implied = *offsets[i].second;
     for (int b = 0; b <= pb.batch; ++b)
-      expect(h.at({b}) == implied[b], name,
-             name + "[" + str(b) + "] = " + str(h.at({b})) + ", but the exclusive prefix sum of " + meaning[i] +
-                 " implied by the sequence lengths is " + str(implied[b]));
+      expect(h.at({b}) == implied[b], name, [&] {
+        return name + "[" + str(b) + "] = " + str(h.at({b})) + ", but the exclusive prefix sum of " + meaning[i] +
+               " implied by the sequence lengths is " + str(implied[b]);
+      });
   }
 }
 
@@ -706,7 +749,8 @@ void for_each_row(const Problem& pb, const Sequences& s, Fn fn) {
       for (int qb = 0; qb < s.max_q_blocks; ++qb) {
         int kv_blocks = -1;
         for (int b = 0; b < pb.batch; ++b)
-          if ((pb.sparsity_batch == 1 || b == bs) && s.seq[b].q_blocks > qb) kv_blocks = std::max(kv_blocks, s.seq[b].kv_blocks);
+          if ((pb.sparsity_batch == 1 || b == bs) && s.seq[b].q_blocks > qb)
+            kv_blocks = std::max(kv_blocks, s.seq[b].kv_blocks);
         if (kv_blocks >= 0) fn(Row{broadcast ? -1 : bs, hs, qb, kv_blocks});
       }
 }
@@ -727,11 +771,13 @@ class SetReader {
       case Format::varlen_block_lists:
         counts_ = reader.read(name_ + ".counts", set.counts);
         indices_ = reader.read(name_ + ".indices", set.indices);
-        expect(counts_.shape[1] >= total_m, name_ + ".counts",
-               "has " + str(counts_.shape[1]) + " columns, but the sequences have total_m_blocks = " + str(total_m));
-        expect(indices_.shape[1] >= s.cu_idx_offsets[pb.batch], name_ + ".indices",
-               "has " + str(indices_.shape[1]) + " columns, but the sequences need total_n_blocks = " +
-                   str(s.cu_idx_offsets[pb.batch]));
+        expect(counts_.shape[1] >= total_m, name_ + ".counts", [&] {
+          return "has " + str(counts_.shape[1]) + " columns, but the sequences have total_m_blocks = " + str(total_m);
+        });
+        expect(indices_.shape[1] >= s.cu_idx_offsets[pb.batch], name_ + ".indices", [&] {
+          return "has " + str(indices_.shape[1]) +
+                 " columns, but the sequences need total_n_blocks = " + str(s.cu_idx_offsets[pb.batch]);
+        });
         break;
       case Format::bsr:
         indptr_ = reader.read(name_ + ".indptr", set.indptr);
@@ -741,8 +787,10 @@ class SetReader {
       case Format::bitmask:
         bits_ = reader.read(name_ + ".bits", set.bits);
         if (has_varlen_rows(pb))
-          expect(bits_.shape[1] >= total_m, name_ + ".bits",
-                 "has " + str(bits_.shape[1]) + " rows (dimension 1), but the sequences have total_m_blocks = " + str(total_m));
+          expect(bits_.shape[1] >= total_m, name_ + ".bits", [&] {
+            return "has " + str(bits_.shape[1]) +
+                   " rows (dimension 1), but the sequences have total_m_blocks = " + str(total_m);
+          });
         break;
     }
   }
@@ -771,9 +819,10 @@ class SetReader {
         break;
       }
       case Format::bsr: {
-        const std::int64_t r = has_varlen_rows(pb_)
-                                   ? static_cast<std::int64_t>(row.hs) * s_.cu_m_blocks[pb_.batch] + s_.cu_m_blocks[row.b] + row.qb
-                                   : (static_cast<std::int64_t>(bs) * pb_.sparsity_heads + row.hs) * s_.stored_q_blocks + row.qb;
+        const std::int64_t r =
+            has_varlen_rows(pb_)
+                ? static_cast<std::int64_t>(row.hs) * s_.cu_m_blocks[pb_.batch] + s_.cu_m_blocks[row.b] + row.qb
+                : (static_cast<std::int64_t>(bs) * pb_.sparsity_heads + row.hs) * s_.stored_q_blocks + row.qb;
         for (std::int64_t i = indptr_.at({r}); i < indptr_.at({r + 1}); ++i) e.push_back(indices_.at({i}));
         break;
       }
@@ -781,8 +830,9 @@ class SetReader {
         // Bits at or beyond nKB(b) are ignored by contract, so only the blocks below are listed.
         for (int block = 0; block < row.kv_blocks; ++block) {
           const std::int64_t w = block / 32;
-          const std::uint32_t word = static_cast<std::uint32_t>(
-              has_varlen_rows(pb_) ? bits_.at({row.hs, s_.cu_m_blocks[row.b] + row.qb, w}) : bits_.at({bs, row.hs, row.qb, w}));
+          const std::uint32_t word =
+              static_cast<std::uint32_t>(has_varlen_rows(pb_) ? bits_.at({row.hs, s_.cu_m_blocks[row.b] + row.qb, w})
+                                                              : bits_.at({bs, row.hs, row.qb, w}));
           if ((word >> (block % 32)) & 1u) e.push_back(block);
         }
         break;
@@ -794,16 +844,20 @@ class SetReader {
  private:
   void check_indptr(std::int64_t rows) {
     const std::string name = name_ + ".indptr";
-    expect(indptr_.size() == rows + 1, name,
-           "has " + str(indptr_.size()) + " entries, expected R + 1 = " + str(rows + 1) + " (R = sparsity_heads * total_m_blocks)");
-    expect(indptr_.at({0}) == 0, name, name + "[0] = " + str(indptr_.at({0})) + ", expected 0");
+    expect(indptr_.size() == rows + 1, name, [&] {
+      return "has " + str(indptr_.size()) + " entries, expected R + 1 = " + str(rows + 1) +
+             " (R = sparsity_heads * total_m_blocks)";
+    });
+    expect(indptr_.at({0}) == 0, name, [&] { return name + "[0] = " + str(indptr_.at({0})) + ", expected 0"; });
     for (std::int64_t r = 0; r < rows; ++r)
-      expect(indptr_.at({r + 1}) >= indptr_.at({r}), name,
-             name + "[" + str(r + 1) + "] = " + str(indptr_.at({r + 1})) + " is below " + name + "[" + str(r) +
-                 "] = " + str(indptr_.at({r})) + " (not monotone)");
-    expect(indptr_.at({rows}) <= indices_.size(), name,
-           name + "[" + str(rows) + "] = " + str(indptr_.at({rows})) + " is above nnz = " + str(indices_.size()) + ", the length of " +
-               name_ + ".indices");
+      expect(indptr_.at({r + 1}) >= indptr_.at({r}), name, [&] {
+        return name + "[" + str(r + 1) + "] = " + str(indptr_.at({r + 1})) + " is below " + name + "[" + str(r) +
+               "] = " + str(indptr_.at({r})) + " (not monotone)";
+      });
+    expect(indptr_.at({rows}) <= indices_.size(), name, [&] {
+      return name + "[" + str(rows) + "] = " + str(indptr_.at({rows})) + " is above nnz = " + str(indices_.size()) +
+             ", the length of " + name_ + ".indices";
+    });
   }
 
   const Problem& pb_;
@@ -816,11 +870,12 @@ void check_entries(const std::string& name, const Row& row, const std::vector<in
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const std::string what = row.label() + " entry " + str(static_cast<std::int64_t>(i));
     expect(entries[i] >= 0 && entries[i] < row.kv_blocks, name,
-           what + " = " + str(entries[i]) + " is outside [0, nKB(b) = " + str(row.kv_blocks) + ")");
+           [&] { return what + " = " + str(entries[i]) + " is outside [0, nKB(b) = " + str(row.kv_blocks) + ")"; });
     if (i == 0) continue;
-    expect(entries[i] > entries[i - 1], name,
-           what + " = " + str(entries[i]) + " is not above the previous entry " + str(entries[i - 1]) +
-               (entries[i] == entries[i - 1] ? " (duplicate)" : " (descending)"));
+    expect(entries[i] > entries[i - 1], name, [&] {
+      return what + " = " + str(entries[i]) + " is not above the previous entry " + str(entries[i - 1]) +
+             (entries[i] == entries[i - 1] ? " (duplicate)" : " (descending)");
+    });
   }
 }
 
@@ -842,9 +897,9 @@ void validate_problem(const Problem& pb, const TileShape& tiles) {
   expect_positive("problem.max_seqlen_q", pb.max_seqlen_q);
   expect_positive("problem.max_seqlen_kv", pb.max_seqlen_kv);
   expect(pb.heads_q % pb.heads_kv == 0, "problem.heads_q",
-         "= " + str(pb.heads_q) + " is not divisible by heads_kv = " + str(pb.heads_kv));
+         [&] { return "= " + str(pb.heads_q) + " is not divisible by heads_kv = " + str(pb.heads_kv); });
   expect(pb.head_dim >= 8 && pb.head_dim <= 512 && pb.head_dim % 8 == 0, "problem.head_dim",
-         "= " + str(pb.head_dim) + " is not supported, expected a multiple of 8 in [8, 512]");
+         [&] { return "= " + str(pb.head_dim) + " is not supported, expected a multiple of 8 in [8, 512]"; });
   expect_at_least("problem.max_routes_per_row", pb.max_routes_per_row, 0);
   expect_at_least("problem.num_threads", pb.num_threads, 0);
   expect_at_least("problem.device_index", pb.device_index, 0);
@@ -882,10 +937,12 @@ void validate_values(const Problem& pb, const TileShape& tiles, const Inputs& in
     }
     if (!pb.has_partial || !pb.has_full) return;
     std::vector<int> both;
-    std::set_intersection(entries[0].begin(), entries[0].end(), entries[1].begin(), entries[1].end(), std::back_inserter(both));
-    expect(both.empty(), readers[1].entries_name(),
-           row.label() + ": KV block " + (both.empty() ? std::string() : str(both.front())) +
-               " is in both the partial and the full set");
+    std::set_intersection(entries[0].begin(), entries[0].end(), entries[1].begin(), entries[1].end(),
+                          std::back_inserter(both));
+    expect(both.empty(), readers[1].entries_name(), [&] {
+      return row.label() + ": KV block " + (both.empty() ? std::string() : str(both.front())) +
+             " is in both the partial and the full set";
+    });
   });
 }
 

@@ -24,8 +24,8 @@ struct Options {
   Format format = Format::block_lists;
   QLayout q_layout = QLayout::batched;
   KVLayout kv_layout = KVLayout::contiguous;
-  bool full = true;       // a full set beside the partial one (formats with sets)
-  bool features = false;  // document ids, kv_valid bits and an explicit proxy set with summaries
+  bool full = true;        // a full set beside the partial one (formats with sets)
+  bool features = false;   // document ids, kv_valid bits and an explicit proxy set with summaries
   bool broadcast = false;  // sparsity_batch 1 where B would be allowed
 };
 
@@ -73,7 +73,7 @@ class Case {
     }
 
     in.q = varlen_q ? floats({60, Hq, D}) : floats({B, 40, Hq, D});
-    const std::vector<std::int64_t> kv_shape = paged ? std::vector<std::int64_t>{kNumPages, kPageSize, Hkv, D}
+    const std::vector<std::int64_t> kv_shape = paged       ? std::vector<std::int64_t>{kNumPages, kPageSize, Hkv, D}
                                                : varlen_kv ? std::vector<std::int64_t>{64, Hkv, D}
                                                            : std::vector<std::int64_t>{B, 40, Hkv, D};
     in.k = floats(kv_shape);
@@ -116,15 +116,28 @@ class Case {
   }
 
   TensorView& view(const std::string& name) {
-    const std::pair<const char*, TensorView*> fields[] = {
-        {"q", &in.q}, {"k", &in.k}, {"v", &in.v}, {"cu_seqlens_q", &in.cu_seqlens_q},
-        {"cu_seqlens_k", &in.cu_seqlens_k}, {"seqused_k", &in.seqused_k}, {"block_table", &in.block_table},
-        {"seq_lens_kv", &in.seq_lens_kv}, {"cu_total_m_blocks", &in.cu_total_m_blocks},
-        {"cu_block_idx_offsets", &in.cu_block_idx_offsets}, {"k_summary", &in.k_summary}, {"v_summary", &in.v_summary},
-        {"partial.counts", &in.partial.counts}, {"partial.indices", &in.partial.indices},
-        {"partial.indptr", &in.partial.indptr}, {"partial.bits", &in.partial.bits}, {"full.counts", &in.full.counts},
-        {"full.indices", &in.full.indices}, {"proxy.counts", &in.proxy.counts}, {"proxy.indices", &in.proxy.indices}, {"outputs.out", &out.out},
-        {"outputs.lse", &out.lse}};
+    const std::pair<const char*, TensorView*> fields[] = {{"q", &in.q},
+                                                          {"k", &in.k},
+                                                          {"v", &in.v},
+                                                          {"cu_seqlens_q", &in.cu_seqlens_q},
+                                                          {"cu_seqlens_k", &in.cu_seqlens_k},
+                                                          {"seqused_k", &in.seqused_k},
+                                                          {"block_table", &in.block_table},
+                                                          {"seq_lens_kv", &in.seq_lens_kv},
+                                                          {"cu_total_m_blocks", &in.cu_total_m_blocks},
+                                                          {"cu_block_idx_offsets", &in.cu_block_idx_offsets},
+                                                          {"k_summary", &in.k_summary},
+                                                          {"v_summary", &in.v_summary},
+                                                          {"partial.counts", &in.partial.counts},
+                                                          {"partial.indices", &in.partial.indices},
+                                                          {"partial.indptr", &in.partial.indptr},
+                                                          {"partial.bits", &in.partial.bits},
+                                                          {"full.counts", &in.full.counts},
+                                                          {"full.indices", &in.full.indices},
+                                                          {"proxy.counts", &in.proxy.counts},
+                                                          {"proxy.indices", &in.proxy.indices},
+                                                          {"outputs.out", &out.out},
+                                                          {"outputs.lse", &out.lse}};
     for (const auto& f : fields)
       if (name == f.first) return *f.second;
     throw std::logic_error("no tensor " + name);
@@ -307,8 +320,9 @@ class Case {
       return ints(shape, ids);
     };
     in.doc_q = varlen_q ? documents({60}, 60) : documents({B, 40}, B * 40);
-    in.doc_kv = paged ? documents({B, kPagesPerSeq * kPageSize}, B * kPagesPerSeq * kPageSize)
-                      : varlen_q ? documents({64}, 64) : documents({B, 40}, B * 40);
+    in.doc_kv = paged      ? documents({B, kPagesPerSeq * kPageSize}, B * kPagesPerSeq * kPageSize)
+                : varlen_q ? documents({64}, 64)
+                           : documents({B, 40}, B * 40);
     std::uint32_t* valid = alloc<std::uint32_t>(B * 2, 0xffffffffu);
     valid[0] &= ~(1u << 5);
     in.kv_valid = with_shape(valid, DType::u32, {B, 2});
@@ -673,7 +687,7 @@ TEST(Validation, NegativeStride) {
 TEST(Validation, OutputOverlapsInput) {
   Case c(lists());
   c.out.out.data = c.in.q.data;  // O has Q's shape and dtype
-  c.poison();  // the poison lands in Q; the rejection must leave it there
+  c.poison();                    // the poison lands in Q; the rejection must leave it there
   expect_rejected(c, "outputs.out", "overlaps input q in memory");
 }
 
@@ -707,13 +721,15 @@ TEST(Validation, IndexOutsideItsSequence) {
 TEST(Validation, DuplicateIndex) {
   Case c(lists_without_full());
   c.set_row("partial", 1, 0, 1, {0, 1, 1});
-  expect_rejected(c, "partial.indices", "row (b=1, hs=0, qb=1) entry 2 = 1 is not above the previous entry 1 (duplicate)");
+  expect_rejected(c, "partial.indices",
+                  "row (b=1, hs=0, qb=1) entry 2 = 1 is not above the previous entry 1 (duplicate)");
 }
 
 TEST(Validation, DescendingIndices) {
   Case c(lists_without_full());
   c.set_row("partial", 0, 1, 0, {2, 0});
-  expect_rejected(c, "partial.indices", "row (b=0, hs=1, qb=0) entry 1 = 0 is not above the previous entry 2 (descending)");
+  expect_rejected(c, "partial.indices",
+                  "row (b=0, hs=1, qb=0) entry 1 = 0 is not above the previous entry 2 (descending)");
 }
 
 TEST(Validation, CountAboveL) {
@@ -745,15 +761,16 @@ TEST(Validation, BsrIndptrNotMonotone) {
   const std::int32_t next = c.at("partial.indptr", {5});
   c.at("partial.indptr", {4}) = next + 1;
   expect_rejected(c, "partial.indptr",
-                  "partial.indptr[5] = " + std::to_string(next) + " is below partial.indptr[4] = " +
-                      std::to_string(next + 1) + " (not monotone)");
+                  "partial.indptr[5] = " + std::to_string(next) +
+                      " is below partial.indptr[4] = " + std::to_string(next + 1) + " (not monotone)");
 }
 
 TEST(Validation, BsrIndptrLastAboveNnz) {
   Case c(with(Format::bsr, QLayout::batched, KVLayout::contiguous));
   const std::int64_t nnz = c.in.partial.indices.shape[0];
   c.at("partial.indptr", {12}) = static_cast<std::int32_t>(nnz + 1);
-  expect_rejected(c, "partial.indptr", "partial.indptr[12] = " + std::to_string(nnz + 1) + " is above nnz = " + std::to_string(nnz));
+  expect_rejected(c, "partial.indptr",
+                  "partial.indptr[12] = " + std::to_string(nnz + 1) + " is above nnz = " + std::to_string(nnz));
 }
 
 TEST(Validation, BsrRowCountMismatch) {
@@ -769,7 +786,8 @@ TEST(Validation, BsrDuplicateIndex) {
   ASSERT_EQ(c.at("partial.indptr", {1}), 1);
   c.at("partial.indptr", {1}) = 2;  // row 0 now also reads row 1's first entry
   c.at("partial.indices", {1}) = c.at("partial.indices", {0});
-  expect_rejected(c, "partial.indices", "row (b=0, hs=0, qb=0) entry 1 = 1 is not above the previous entry 1 (duplicate)");
+  expect_rejected(c, "partial.indices",
+                  "row (b=0, hs=0, qb=0) entry 1 = 1 is not above the previous entry 1 (duplicate)");
 }
 
 TEST(Validation, CuSeqlensStartAboveZero) {
@@ -805,13 +823,17 @@ TEST(Validation, SequsedKAboveSequenceLength) {
 TEST(Validation, CuTotalMBlocksInconsistent) {
   Case c(varlen_lists());
   c.at("cu_total_m_blocks", {1}) = 2;
-  expect_rejected(c, "cu_total_m_blocks", "cu_total_m_blocks[1] = 2, but the exclusive prefix sum of nQB(b) implied by the sequence lengths is 3");
+  expect_rejected(
+      c, "cu_total_m_blocks",
+      "cu_total_m_blocks[1] = 2, but the exclusive prefix sum of nQB(b) implied by the sequence lengths is 3");
 }
 
 TEST(Validation, CuBlockIdxOffsetsInconsistent) {
   Case c(varlen_lists());
   c.at("cu_block_idx_offsets", {2}) = 12;
-  expect_rejected(c, "cu_block_idx_offsets", "cu_block_idx_offsets[2] = 12, but the exclusive prefix sum of nQB(b) * nKB(b) implied by the sequence lengths is 13");
+  expect_rejected(c, "cu_block_idx_offsets",
+                  "cu_block_idx_offsets[2] = 12, but the exclusive prefix sum of nQB(b) * nKB(b) implied by the "
+                  "sequence lengths is 13");
 }
 
 TEST(Validation, VarlenIndicesTooShort) {
