@@ -87,6 +87,14 @@ def _attention_fake(q, k, v, slots, *options):
     return _new_outputs(q, slots, options)
 
 
+def _backward(ctx, grad_out, grad_lse):
+    raise NotImplementedError("bsattn: the backward pass (SPEC §9) is not available yet")
+
+
+# Without it, autograd would warn and silently give no gradient to q, k, v.
+torch.library.register_autograd("bsattn::attention", _backward)
+
+
 @torch.library.impl("bsattn::attention_out", ("cpu", "cuda"))
 def _attention_out(q, k, v, slots, *arguments):
     *options, out, lse = arguments

@@ -108,3 +108,11 @@ def test_compile_with_dynamic_sequence_length():
         q, k, v = (torch.randn(1, seqlen, 2, 32) for _ in range(3))
         expected = bsattn.attention(q, k, v, mask=bsattn.Mask(causal=True))
         torch.testing.assert_close(compiled(q, k, v), expected, atol=0, rtol=0)
+
+
+def test_backward_is_refused_loudly():
+    q = torch.randn(1, 64, 2, 32, requires_grad=True)
+    k, v = torch.randn(1, 64, 2, 32), torch.randn(1, 64, 2, 32)
+    out = bsattn.attention(q, k, v)
+    with pytest.raises(NotImplementedError, match="backward"):
+        out.sum().backward()
