@@ -149,7 +149,8 @@ RunConfig parse_run_config(const std::string& text) {
   MeasureOptions& m = c.measure;
   m.run.repeats = r.get_int("repeats", m.run.repeats);
   m.run.warmup = r.get_int("warmup", m.run.warmup);
-  if (m.run.repeats < 1 || m.run.warmup < 0) Reader::fail("'repeats' must be >= 1 and 'warmup' >= 0");
+  if (m.run.repeats < 1 || m.run.warmup < 1)
+    Reader::fail("'repeats' and 'warmup' must be >= 1 (the first warm-up run validates the inputs)");
   m.run.device = r.choice("device", {"auto", "cpu", "cuda"}, 0) == 0 ? "auto" : r.get<std::string>("device", "");
   m.run.threads = r.get_int("threads", 0);
   m.dense_baseline = r.get<bool>("dense_baseline", false);

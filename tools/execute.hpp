@@ -24,7 +24,7 @@ struct RunOptions {
   std::string device = "auto";  // auto, cpu or cuda
   int threads = 0;              // CPU worker threads; 0: all cores
   int repeats = 3;
-  int warmup = 1;
+  int warmup = 1;  // >= 1: the first warm-up run validates the inputs
 };
 
 struct DeviceChoice {
@@ -37,8 +37,9 @@ struct DeviceChoice {
 // plans the problem there, else the CPU (with a note); "cuda" fails with the library's error.
 DeviceChoice choose_device(const Workload& w, const RunOptions& options);
 
-// Milliseconds of each timed repetition (after the warm-up ones). The outputs of the last one
-// are left in w.outputs().
+// Milliseconds of each timed repetition (after the warm-up ones, the first of which validates
+// the inputs; the others run with validate = false). The outputs of the last run are left in
+// w.outputs().
 std::vector<double> time_runs(const Workload& w, const DeviceChoice& device, const RunOptions& options,
                               const Progress& progress, const std::string& label);
 

@@ -35,6 +35,8 @@ int measure_and_report(const WorkloadSpec& spec, const MeasureOptions& options) 
     dense_ms = median(time_runs(dense, device, options.run, progress, "dense"));
   }
   const double speedup = dense_ms > 0.0 && time_ms > 0.0 ? dense_ms / time_ms : 0.0;
+  // Effective rate: only the kept (q, kv) pairs count, 4 * D flops each (QK^T and PV).
+  const auto tflops = [&](double pairs, double ms) { return ms > 0.0 ? 4.0 * spec.head_dim * pairs / (ms * 1e9) : 0.0; };
 
   if (options.json) {
     nlohmann::ordered_json j;
@@ -50,8 +52,10 @@ int measure_and_report(const WorkloadSpec& spec, const MeasureOptions& options) 
     j["total_blocks"] = density.total_blocks;
     j["repeats"] = options.run.repeats;
     j["time_ms"] = time_ms;
+    j["effective_tflops"] = tflops(static_cast<double>(density.kept_pairs), time_ms);
     if (options.dense_baseline) {
       j["dense_time_ms"] = dense_ms;
+      j["dense_tflops"] = tflops(static_cast<double>(density.total_pairs), dense_ms);
       j["speedup"] = speedup;
     }
     if (options.verify_rows > 0) {
@@ -73,9 +77,11 @@ int measure_and_report(const WorkloadSpec& spec, const MeasureOptions& options) 
     std::printf("%s%s\n", device.note.empty() ? "" : "; ", device.note.c_str());
     std::printf("  density   %.4f of (q, kv) pairs; %.4f of blocks (%lld of %lld)\n", density.pairs, density.blocks,
                 static_cast<long long>(density.kept_blocks), static_cast<long long>(density.total_blocks));
-    std::printf("  time      %.2f ms (median of %d)\n", time_ms, options.run.repeats);
+    std::printf("  time      %.3f ms (median of %d; %.3g effective TFLOP/s)\n", time_ms, options.run.repeats,
+                tflops(static_cast<double>(density.kept_pairs), time_ms));
     if (options.dense_baseline) {
-      std::printf("  dense     %.2f ms (same engine, every block, no mask)\n", dense_ms);
+      std::printf("  dense     %.3f ms (same engine, every block, no mask; %.3g TFLOP/s)\n", dense_ms,
+                  tflops(static_cast<double>(density.total_pairs), dense_ms));
       std::printf("  speedup   %.2fx\n", speedup);
     }
     if (options.verify_rows > 0)
