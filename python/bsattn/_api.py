@@ -188,7 +188,8 @@ def _outputs(q, problem, return_lse, out, lse):
 def _run(run, q, problem, inputs, return_lse, out, lse, stream):
     out, lse = _outputs(q, problem, return_lse, out, lse)
     stream = _tensors.current_stream(q) if stream is None else stream
-    run(inputs, {"out": _tensors.export(out), "lse": None if lse is None else _tensors.export(lse)}, stream)
+    with _tensors.device_guard(q):
+        run(inputs, {"out": _tensors.export(out), "lse": None if lse is None else _tensors.export(lse)}, stream)
     out = _tensors.finish(q, out)
     return (out, _tensors.finish(q, lse)) if return_lse else out
 
@@ -259,7 +260,8 @@ class Plan:
         self._arguments = dict(kwargs, sparsity=sparsity)
         self._problem, _ = _describe(q, k, v, *_flatten_call(self._arguments))
         self._plan = _bsattn.Plan()
-        self._plan.plan(self._problem)
+        with _tensors.device_guard(q):
+            self._plan.plan(self._problem)
 
     @property
     def problem(self):
@@ -331,7 +333,8 @@ def build_summaries(k, v, block_kv, *, cu_seqlens_k=None, seqused_k=None, block_
     inputs.update(k=_tensors.export(k), v=_tensors.export(v))
     shape = (problem["batch"], -(-problem["max_seqlen_kv"] // block_kv), problem["heads_kv"], problem["head_dim"])
     k_summary, v_summary = _tensors.empty(k, shape, problem["dtype"]), _tensors.empty(k, shape, problem["dtype"])
-    _bsattn.build_summaries(problem, inputs, _tensors.export(k_summary), _tensors.export(v_summary))
+    with _tensors.device_guard(k):
+        _bsattn.build_summaries(problem, inputs, _tensors.export(k_summary), _tensors.export(v_summary))
     return Summaries(_tensors.finish(k, k_summary), _tensors.finish(k, v_summary))
 
 
@@ -352,5 +355,6 @@ def varlen_block_offsets(cu_seqlens_q, block_size, *, cu_seqlens_k=None, seqused
     inputs = {n: _tensors.export(_tensors.to_int32(t)) for n, t in lengths.items() if t is not None}
     m_blocks, offsets = (_tensors.empty(cu_seqlens_q, (batch + 1,), "i32") for _ in range(2))
     stream = _tensors.current_stream(cu_seqlens_q) if stream is None else stream
-    _bsattn.varlen_block_offsets(problem, inputs, _tensors.export(m_blocks), _tensors.export(offsets), stream)
+    with _tensors.device_guard(cu_seqlens_q):
+        _bsattn.varlen_block_offsets(problem, inputs, _tensors.export(m_blocks), _tensors.export(offsets), stream)
     return _tensors.finish(cu_seqlens_q, m_blocks), _tensors.finish(cu_seqlens_q, offsets)

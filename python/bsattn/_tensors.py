@@ -4,6 +4,8 @@ bsattn reads every tensor through DLPack. This module is the only place that kno
 library a tensor comes from (NumPy, PyTorch, CuPy, JAX); everything else duck-types through it.
 """
 
+import contextlib
+
 import numpy as np
 
 from ._bsattn import BsattnError
@@ -148,6 +150,22 @@ def host_ints(t):
     if is_torch(t):
         return t.detach().numpy()
     return np.asarray(t)
+
+
+def device_guard(t):
+    """A context that makes `t`'s GPU the current one (plans allocate and launch there)."""
+    if device_of(t)[0] != "cuda":
+        return contextlib.nullcontext()
+    kind = framework(t)
+    if kind == "torch":
+        import torch
+
+        return torch.cuda.device(t.device)
+    if kind == "cupy":
+        import cupy
+
+        return cupy.cuda.Device(device_of(t)[1])
+    return contextlib.nullcontext()
 
 
 def current_stream(t):

@@ -69,10 +69,11 @@ def _new_outputs(q, slots, options):
 
 def _run(q, k, v, slots, options, out, lse):
     problem, inputs = _api._describe(q, k, v, dict(zip(_api.SLOT_NAMES, slots)), dict(zip(_api.OPTION_NAMES, options)))
-    plan, lock = _cached_plan(problem)
     outputs = {"out": _tensors.export(out), "lse": None if lse is None else _tensors.export(lse)}
-    with lock:
-        plan.run(inputs, outputs, _tensors.current_stream(q))
+    with _tensors.device_guard(q):
+        plan, lock = _cached_plan(problem)
+        with lock:
+            plan.run(inputs, outputs, _tensors.current_stream(q))
 
 
 @torch.library.impl("bsattn::attention", ("cpu", "cuda"))
