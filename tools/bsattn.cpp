@@ -65,5 +65,8 @@ int main(int argc, char** argv) {
   } catch (const bsattn::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 2;
+  } catch (const std::exception& e) {  // out of memory, or a failure outside the library's checks
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
   }
 }

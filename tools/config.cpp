@@ -63,8 +63,9 @@ class Reader {
 };
 
 DType dtype_of(const Reader& r, const char* key, DType fallback) {
+  if (!r.has(key)) return fallback;
   static const DType types[] = {DType::f32, DType::f16, DType::bf16};
-  return types[r.choice(key, {"f32", "f16", "bf16"}, static_cast<int>(fallback == DType::f32 ? 0 : fallback == DType::f16 ? 1 : 2))];
+  return types[r.choice(key, {"f32", "f16", "bf16"}, 0)];
 }
 
 void read_mask(const json& j, MaskOptions& m) {
@@ -151,7 +152,8 @@ RunConfig parse_run_config(const std::string& text) {
   m.run.warmup = r.get_int("warmup", m.run.warmup);
   if (m.run.repeats < 1 || m.run.warmup < 1)
     Reader::fail("'repeats' and 'warmup' must be >= 1 (the first warm-up run validates the inputs)");
-  m.run.device = r.choice("device", {"auto", "cpu", "cuda"}, 0) == 0 ? "auto" : r.get<std::string>("device", "");
+  static const char* const devices[] = {"auto", "cpu", "cuda"};
+  m.run.device = devices[r.choice("device", {"auto", "cpu", "cuda"}, 0)];
   m.run.threads = r.get_int("threads", 0);
   m.dense_baseline = r.get<bool>("dense_baseline", false);
   if (r.has("verify")) {

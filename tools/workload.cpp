@@ -475,10 +475,10 @@ void Workload::State::fill_tensors() {
       cu_block_idx_offsets.as<std::int32_t>()[b] = static_cast<std::int32_t>(end ? total_n_blocks : seqs[b].idx_base);
     }
     inputs.cu_seqlens_q = cu_seqlens_q.view;
-    if (s.format == Format::varlen_block_lists || s.format == Format::bsr || s.format == Format::bitmask) {
-      inputs.cu_total_m_blocks = cu_total_m_blocks.view;
-      inputs.cu_block_idx_offsets = cu_block_idx_offsets.view;
-    }
+    // Given rather than derived by the plan, so that the tensor path is exercised: every varlen
+    // format but all_blocks indexes rows through cu_total_m_blocks, only lists need the offsets.
+    if (s.format != Format::all_blocks) inputs.cu_total_m_blocks = cu_total_m_blocks.view;
+    if (s.format == Format::varlen_block_lists) inputs.cu_block_idx_offsets = cu_block_idx_offsets.view;
     if (!paged) {
       cu_seqlens_k = HostTensor(DType::i32, {B + 1});
       for (int b = 0; b <= s.batch; ++b)
@@ -646,8 +646,7 @@ VerifyResult Workload::verify(int rows, std::uint64_t seed) const {
     const Sequence& seq = st.seqs[smp.b];
     const int hkv = smp.h / (s.heads_q / s.heads_kv), hs = smp.h / (s.heads_q / s.sparsity_heads);
     const int qb = smp.q / s.block.q;
-    const std::int64_t q_off = st.varlen() ? ((seq.q_base + smp.q) * s.heads_q + smp.h) * D
-                                           : ((static_cast<std::int64_t>(smp.b) * s.max_seqlen_q() + smp.q) * s.heads_q + smp.h) * D;
+    const std::int64_t q_off = ((seq.q_base + smp.q) * s.heads_q + smp.h) * D;  // batched: q_base = b * Sq
     for (int i = 0; i < D; ++i) qv[i] = element_as_float(st.q.view, q_off + i) * scale;
     auto dot = [&](const TensorView& t, std::int64_t off) {
       double x = 0.0;
