@@ -161,13 +161,14 @@ def test_mask_options(rng, name):
     assert_lse_close(lse, expected_lse)
 
 
-def test_document_ids_and_kv_valid(rng):
+@pytest.mark.parametrize("valid_as", ["words", "booleans"])
+def test_document_ids_and_kv_valid(rng, valid_as):
     b, s = 2, 120
     q, k, v = random_qkv(rng, (b, s, 2, 32), (b, s, 2, 32))
-    doc = np.sort(rng.integers(0, 4, (b, s)), axis=1).astype(np.int32)
+    doc = np.sort(rng.integers(0, 4, (b, s)), axis=1)  # int64: converted
     valid = rng.random((b, s)) < 0.8
-    words = reference.bitmask(valid)
-    mask = bsattn.Mask(causal=True, doc_ids=(doc, doc), kv_valid=words)
+    kv_valid = reference.bitmask(valid) if valid_as == "words" else valid
+    mask = bsattn.Mask(causal=True, doc_ids=(doc, doc), kv_valid=kv_valid)
     out = bsattn.attention(q, k, v, mask=mask)
     dense = np.ones((1, 1, 1, 1), bool)
     expected, _ = reference_batched(q, k, v, dense, None, (128, 128), reference.MaskSpec(causal=True),

@@ -116,3 +116,11 @@ def test_backward_is_refused_loudly():
     out = bsattn.attention(q, k, v)
     with pytest.raises(NotImplementedError, match="backward"):
         out.sum().backward()
+
+
+def test_kv_valid_booleans_pack_like_numpy():
+    valid = np.random.default_rng(5).random((2, 100)) < 0.5
+    words_numpy = bsattn.Mask(kv_valid=valid).kv_valid
+    words_torch = bsattn.Mask(kv_valid=torch.from_numpy(valid)).kv_valid
+    assert words_torch.dtype == torch.int32
+    np.testing.assert_array_equal(words_torch.numpy().view(np.uint32), words_numpy)
