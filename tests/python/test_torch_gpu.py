@@ -46,7 +46,7 @@ def test_varlen_packed_against_reference():
     cu_k = np.cumsum([0] + seqlens_k).astype(np.int32)
     dense = [random_blocks(rng, (2, -(-sq // 128), -(-sk // 128))) for sq, sk in zip(seqlens_q, seqlens_k)]
     counts, indices, cu_m, cu_n = reference.varlen_block_lists(dense)
-    q, k, v = (torch.randn(n, h, 128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (torch.randn(int(n), h, 128, dtype=torch.bfloat16, device="cuda")
                for n, h in ((cu_q[-1], 4), (cu_k[-1], 2), (cu_k[-1], 2)))
     cuda = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
     fields = (cuda(counts), cuda(indices), None, None, cuda(cu_m), cuda(cu_n))
