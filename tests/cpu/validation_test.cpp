@@ -13,6 +13,10 @@
 #include <vector>
 
 #include "bsattn/bsattn.hpp"
+#include "bsattn/cpu/numeric.hpp"
+#if BSATTN_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace {
 using namespace bsattn;
@@ -27,17 +31,18 @@ struct Options {
   bool full = true;        // a full set beside the partial one (formats with sets)
   bool features = false;   // document ids, kv_valid bits and an explicit proxy set with summaries
   bool broadcast = false;  // sparsity_batch 1 where B would be allowed
+  bool gpu = false;        // a problem the GPU kernels take: bf16, D = 64 (tensors stay on the host)
 };
 
-// A valid problem and its tensors: B=2, Hq=4, Hkv=Hs=2, D=8, Bq=Bk=16, f32. Batched sequences
+// A valid problem and its tensors: B=2, Hq=4, Hkv=Hs=2, D=8 (GPU: 64), Bq=Bk=16, f32 (GPU: bf16). Batched sequences
 // are 40 tokens (nQB = nKB = 3); varlen Q lengths {40, 20}, varlen / paged KV lengths {40, 24}.
 // Paged: page_size 8, pages_per_seq 6, block_table rows padded to 8 columns holding garbage.
 class Case {
  public:
-  static constexpr int B = 2, Hq = 4, Hkv = 2, D = 8, Hs = 2, Bq = 16, Bk = 16;
+  static constexpr int B = 2, Hq = 4, Hkv = 2, Hs = 2, Bq = 16, Bk = 16;
   static constexpr int kPageSize = 8, kPagesPerSeq = 6, kTableStride = 8, kNumPages = 12;
 
-  explicit Case(const Options& o) : opt(o) {
+  explicit Case(const Options& o) : opt(o), D(o.gpu ? 64 : 8) {
     const bool varlen_q = o.q_layout == QLayout::varlen;
     const bool paged = o.kv_layout == KVLayout::paged;
     const bool varlen_kv = varlen_q && !paged;
@@ -56,7 +61,7 @@ class Case {
     p.max_seqlen_kv = 40;
     p.q_layout = o.q_layout;
     p.kv_layout = o.kv_layout;
-    p.dtype = p.out_dtype = DType::f32;
+    p.dtype = p.out_dtype = o.gpu ? DType::bf16 : DType::f32;
     p.block = {Bq, Bk};
     p.format = o.format;
     p.sparsity_heads = Hs;
@@ -72,14 +77,14 @@ class Case {
       p.num_pages = kNumPages;
     }
 
-    in.q = varlen_q ? floats({60, Hq, D}) : floats({B, 40, Hq, D});
+    in.q = values(varlen_q ? std::vector<std::int64_t>{60, Hq, D} : std::vector<std::int64_t>{B, 40, Hq, D}, p.dtype);
     const std::vector<std::int64_t> kv_shape = paged       ? std::vector<std::int64_t>{kNumPages, kPageSize, Hkv, D}
                                                : varlen_kv ? std::vector<std::int64_t>{64, Hkv, D}
                                                            : std::vector<std::int64_t>{B, 40, Hkv, D};
-    in.k = floats(kv_shape);
-    in.v = floats(kv_shape);
-    out.out = floats(varlen_q ? std::vector<std::int64_t>{60, Hq, D} : std::vector<std::int64_t>{B, 40, Hq, D});
-    out.lse = floats(varlen_q ? std::vector<std::int64_t>{Hq, 60} : std::vector<std::int64_t>{B, Hq, 40});
+    in.k = values(kv_shape, p.dtype);
+    in.v = values(kv_shape, p.dtype);
+    out.out = values(varlen_q ? std::vector<std::int64_t>{60, Hq, D} : std::vector<std::int64_t>{B, 40, Hq, D}, p.out_dtype);
+    out.lse = values(varlen_q ? std::vector<std::int64_t>{Hq, 60} : std::vector<std::int64_t>{B, Hq, 40}, DType::f32);
     if (varlen_q) in.cu_seqlens_q = ints({B + 1}, {0, 40, 60});
     if (varlen_kv) in.cu_seqlens_k = ints({B + 1}, {0, 40, 64});
     if (paged) {
@@ -115,31 +120,37 @@ class Case {
            (opt.q_layout == QLayout::varlen && (opt.format == Format::bsr || opt.format == Format::bitmask));
   }
 
+  // Every tensor of the case by its argument name, defined or not.
+  std::vector<std::pair<std::string, TensorView*>> fields() {
+    std::vector<std::pair<std::string, TensorView*>> f = {
+        {"q", &in.q},
+        {"k", &in.k},
+        {"v", &in.v},
+        {"cu_seqlens_q", &in.cu_seqlens_q},
+        {"cu_seqlens_k", &in.cu_seqlens_k},
+        {"seqused_k", &in.seqused_k},
+        {"block_table", &in.block_table},
+        {"seq_lens_kv", &in.seq_lens_kv},
+        {"cu_total_m_blocks", &in.cu_total_m_blocks},
+        {"cu_block_idx_offsets", &in.cu_block_idx_offsets},
+        {"doc_q", &in.doc_q},
+        {"doc_kv", &in.doc_kv},
+        {"kv_valid", &in.kv_valid},
+        {"k_summary", &in.k_summary},
+        {"v_summary", &in.v_summary},
+        {"outputs.out", &out.out},
+        {"outputs.lse", &out.lse},
+    };
+    for (auto [set_name, set] : {std::pair<const char*, BlockSet*>{"partial", &in.partial}, {"full", &in.full}, {"proxy", &in.proxy}}) {
+      const std::string n = set_name;
+      f.insert(f.end(), {{n + ".counts", &set->counts}, {n + ".indices", &set->indices}, {n + ".indptr", &set->indptr},
+                         {n + ".bits", &set->bits}});
+    }
+    return f;
+  }
   TensorView& view(const std::string& name) {
-    const std::pair<const char*, TensorView*> fields[] = {{"q", &in.q},
-                                                          {"k", &in.k},
-                                                          {"v", &in.v},
-                                                          {"cu_seqlens_q", &in.cu_seqlens_q},
-                                                          {"cu_seqlens_k", &in.cu_seqlens_k},
-                                                          {"seqused_k", &in.seqused_k},
-                                                          {"block_table", &in.block_table},
-                                                          {"seq_lens_kv", &in.seq_lens_kv},
-                                                          {"cu_total_m_blocks", &in.cu_total_m_blocks},
-                                                          {"cu_block_idx_offsets", &in.cu_block_idx_offsets},
-                                                          {"k_summary", &in.k_summary},
-                                                          {"v_summary", &in.v_summary},
-                                                          {"partial.counts", &in.partial.counts},
-                                                          {"partial.indices", &in.partial.indices},
-                                                          {"partial.indptr", &in.partial.indptr},
-                                                          {"partial.bits", &in.partial.bits},
-                                                          {"full.counts", &in.full.counts},
-                                                          {"full.indices", &in.full.indices},
-                                                          {"proxy.counts", &in.proxy.counts},
-                                                          {"proxy.indices", &in.proxy.indices},
-                                                          {"outputs.out", &out.out},
-                                                          {"outputs.lse", &out.lse}};
-    for (const auto& f : fields)
-      if (name == f.first) return *f.second;
+    for (const auto& f : fields())
+      if (f.first == name) return *f.second;
     throw std::logic_error("no tensor " + name);
   }
 
@@ -164,22 +175,24 @@ class Case {
     }
   }
 
+  // O and LSE as 32-bit words (bf16 elements pair up).
+  static std::int64_t words(const TensorView& t) { return t.numel() * static_cast<std::int64_t>(element_size(t.dtype)) / 4; }
   void poison() {
     for (TensorView* t : {&out.out, &out.lse}) {
       auto* bits = static_cast<std::uint32_t*>(t->data);
-      std::fill(bits, bits + t->numel(), kPoison);
+      std::fill(bits, bits + words(*t), kPoison);
     }
   }
-  // Elements of O and LSE still holding the poison.
+  // Words of O and LSE still holding the poison.
   std::int64_t poisoned() const {
     std::int64_t n = 0;
     for (const TensorView* t : {&out.out, &out.lse}) {
       const auto* bits = static_cast<const std::uint32_t*>(t->data);
-      n += std::count(bits, bits + t->numel(), kPoison);
+      n += std::count(bits, bits + words(*t), kPoison);
     }
     return n;
   }
-  std::int64_t output_elements() const { return out.out.numel() + out.lse.numel(); }
+  std::int64_t output_elements() const { return words(out.out) + words(out.lse); }
 
   template <class T>
   T* alloc(std::size_t n, T fill) {
@@ -190,12 +203,19 @@ class Case {
     std::fill(data, data + n, fill);
     return data;
   }
-  TensorView floats(const std::vector<std::int64_t>& shape) {
+  // A f32 or bf16 tensor of small values.
+  TensorView values(const std::vector<std::int64_t>& shape, DType dtype) {
     std::int64_t n = 1;
     for (std::int64_t s : shape) n *= s;
+    const auto value = [](std::int64_t i) { return static_cast<float>((i * 37) % 23) / 23.0f - 0.5f; };
+    if (dtype == DType::bf16) {
+      std::uint16_t* data = alloc<std::uint16_t>(static_cast<std::size_t>(n), 0);
+      for (std::int64_t i = 0; i < n; ++i) data[i] = cpu::float_to_bf16(value(i));
+      return with_shape(data, dtype, shape);
+    }
     float* data = alloc<float>(static_cast<std::size_t>(n), 0.0f);
-    for (std::int64_t i = 0; i < n; ++i) data[i] = static_cast<float>((i * 37) % 23) / 23.0f - 0.5f;
-    return with_shape(data, DType::f32, shape);
+    for (std::int64_t i = 0; i < n; ++i) data[i] = value(i);
+    return with_shape(data, dtype, shape);
   }
   TensorView ints(const std::vector<std::int64_t>& shape, const std::vector<std::int32_t>& values) {
     std::int32_t* data = alloc<std::int32_t>(values.size(), 0);
@@ -215,6 +235,7 @@ class Case {
   }
 
   Options opt;
+  const int D;
   Problem p;
   Inputs in;
   Outputs out;
@@ -329,16 +350,16 @@ class Case {
     if (opt.format == Format::all_blocks) return;
     p.proxy = Proxy::explicit_set;
     in.proxy = make_set([&](int b, int hs, int qb, int kb) { return kind(b, hs, qb, kb) == 0; });
-    in.k_summary = floats({B, 3, Hkv, D});
-    in.v_summary = floats({B, 3, Hkv, D});
+    in.k_summary = values({B, 3, Hkv, D}, p.dtype);
+    in.v_summary = values({B, 3, Hkv, D}, p.dtype);
   }
 
   std::vector<std::unique_ptr<unsigned char[]>> storage_;
 };
 
 // The call must throw an Error naming `argument` with `text` in its message, and write nothing.
-void expect_rejected(Case& c, const std::string& argument, const std::string& text) {
-  c.poison();
+// The call must throw an Error naming `argument` with `text` in its message.
+void expect_error(const Case& c, const std::string& argument, const std::string& text) {
   try {
     attention(c.p, c.in, c.out);
     ADD_FAILURE() << "accepted; expected an error on " << argument;
@@ -346,6 +367,12 @@ void expect_rejected(Case& c, const std::string& argument, const std::string& te
     EXPECT_EQ(e.argument(), argument) << e.what();
     EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << "message: " << e.what() << "\nexpected: " << text;
   }
+}
+
+// ... and write nothing.
+void expect_rejected(Case& c, const std::string& argument, const std::string& text) {
+  c.poison();
+  expect_error(c, argument, text);
   EXPECT_EQ(c.poisoned(), c.output_elements()) << "an output element was written";
 }
 
@@ -904,5 +931,120 @@ TEST(Validation, ValuesUncheckedWhenValidateIsOffButStructureIsChecked) {
   c.in.q.dtype = DType::bf16;
   EXPECT_THROW(plan.run(c.in, c.out), Error);
 }
+
+#if BSATTN_WITH_CUDA
+// ---- Metadata on the GPU: value checks read device copies ------------------------------------
+
+bool have_sm90() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return false;
+  }
+  cudaDeviceProp prop{};
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9;
+}
+
+void expect_cuda(cudaError_t e) { EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e); }
+
+// For its lifetime, the case runs on GPU 0 with its tensors (all but `kept_on_host`) in device
+// memory; afterwards the outputs are copied back and the views point at the host again.
+class OnDevice {
+ public:
+  explicit OnDevice(Case& c, const std::vector<std::string>& kept_on_host = {}) : c_(c) {
+    c.p.device = Device::cuda;
+    for (const auto& [name, view] : c.fields()) {
+      if (!view->defined() || std::find(kept_on_host.begin(), kept_on_host.end(), name) != kept_on_host.end()) continue;
+      Moved m{view, view->data, nullptr, bytes(*view)};
+      expect_cuda(cudaMalloc(&m.device, m.bytes));
+      expect_cuda(cudaMemcpy(m.device, m.host, m.bytes, cudaMemcpyHostToDevice));
+      view->data = m.device;
+      view->device = Device::cuda;
+      moved_.push_back(m);
+    }
+  }
+  ~OnDevice() {
+    expect_cuda(cudaDeviceSynchronize());
+    for (const Moved& m : moved_) {
+      expect_cuda(cudaMemcpy(m.host, m.device, m.bytes, cudaMemcpyDeviceToHost));
+      expect_cuda(cudaFree(m.device));
+      m.view->data = m.host;
+      m.view->device = Device::cpu;
+    }
+    c_.p.device = Device::cpu;
+  }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+ private:
+  struct Moved {
+    TensorView* view;
+    void* host;
+    void* device;
+    std::size_t bytes;
+  };
+  static std::size_t bytes(const TensorView& t) {
+    std::int64_t last = 0;
+    for (int i = 0; i < t.rank; ++i) last += (t.shape[i] - 1) * t.stride[i];
+    return static_cast<std::size_t>((last + 1) * static_cast<std::int64_t>(element_size(t.dtype)));
+  }
+  Case& c_;
+  std::vector<Moved> moved_;
+};
+
+Options on_gpu(Options o) {
+  o.gpu = true;
+  return o;
+}
+
+TEST(GpuValidation, ValidBasesAreAccepted) {
+  if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
+  for (const Options& o : {lists(), varlen_lists(), with(Format::bsr, QLayout::varlen, KVLayout::contiguous),
+                           with(Format::bitmask, QLayout::batched, KVLayout::contiguous)}) {
+    Case c(on_gpu(o));
+    c.poison();
+    {
+      OnDevice device(c);
+      EXPECT_NO_THROW(attention(c.p, c.in, c.out));
+    }
+    EXPECT_EQ(c.poisoned(), 0);
+  }
+}
+
+TEST(GpuValidation, BlockIndicesAreReadFromTheDevice) {
+  if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
+  Case c(on_gpu(lists()));
+  c.set_row("partial", 1, 0, 1, {0, 1, 1});
+  c.poison();
+  {
+    OnDevice device(c);
+    expect_error(c, "partial.indices", "row (b=1, hs=0, qb=1) entry 2 = 1 is not above the previous entry 1 (duplicate)");
+  }
+  EXPECT_EQ(c.poisoned(), c.output_elements());
+}
+
+TEST(GpuValidation, LengthsAreReadFromTheDevice) {
+  if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
+  Case c(on_gpu(varlen_lists()));
+  c.at("cu_seqlens_q", {2}) = 30;
+  c.poison();
+  {
+    OnDevice device(c);
+    expect_error(c, "cu_seqlens_q", "cu_seqlens_q[2] = 30 is below cu_seqlens_q[1] = 40 (not monotone)");
+  }
+  EXPECT_EQ(c.poisoned(), c.output_elements());
+}
+
+TEST(GpuValidation, HostMetadataOnAGpuProblem) {
+  if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
+  Case c(on_gpu(lists()));
+  c.poison();
+  {
+    OnDevice device(c, {"partial.counts"});
+    expect_error(c, "partial.counts", "is on cpu:0, but the problem runs on cuda:0");
+  }
+  EXPECT_EQ(c.poisoned(), c.output_elements());
+}
+#endif  // BSATTN_WITH_CUDA
 
 }  // namespace
