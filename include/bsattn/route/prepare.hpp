@@ -63,7 +63,10 @@ class BlockCursor {
         c.word_stride_ = p.varlen_q ? set.bits_stride[2] : set.bits_stride[3];
         break;
     }
+    // A valid list is ascending, unique and non-negative, so its in-range entries are among its
+    // first nKB; reading no further keeps a bad count inside the row's nKB slots (varlen lists).
     if (c.count_ < 0) c.count_ = 0;
+    if (c.count_ > s.kv_blocks) c.count_ = s.kv_blocks;
     c.advance();
     return c;
   }
