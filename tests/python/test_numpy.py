@@ -373,3 +373,22 @@ def test_varlen_queries_with_paged_kv_and_seqused_k(rng):
     expected, _ = reference_varlen(q, k, v, cu_q, cu_k, dense, (128, 128), reference.MaskSpec(causal=True))
     assert_close(paged, expected, np.float32)
     assert_close(used, expected, np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["bitmask", "bsr"])
+def test_varlen_bitmask_and_bsr(rng, fmt):
+    """Varlen rows in SPEC §3.2 order: head-major, then the Q blocks of each sequence."""
+    block_size = (32, 16)
+    seqlens_q, seqlens_k = [40, 0, 90], [100, 30, 20]
+    cu_q, cu_k = np.cumsum([0] + seqlens_q).astype(np.int32), np.cumsum([0] + seqlens_k).astype(np.int32)
+    q, k, v = random_qkv(rng, (cu_q[-1], 2, 32), (cu_k[-1], 2, 32))
+    dense = [random_blocks(rng, (2, -(-sq // 32), -(-sk // 16))) for sq, sk in zip(seqlens_q, seqlens_k)]
+    max_kv_blocks = max(d.shape[2] for d in dense)
+    padded = np.concatenate([np.pad(d, ((0, 0), (0, 0), (0, max_kv_blocks - d.shape[2]))) for d in dense], axis=1)
+    if fmt == "bitmask":
+        sparsity = bsattn.Bitmask(reference.bitmask(padded), block_size=block_size)
+    else:
+        sparsity = bsattn.BSR(*reference.bsr(padded), block_size=block_size, heads=2)
+    out = bsattn.attention(q, k, v, sparsity, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    expected, _ = reference_varlen(q, k, v, cu_q, cu_k, dense, block_size)
+    assert_close(out, expected, np.float32)
