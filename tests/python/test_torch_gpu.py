@@ -70,6 +70,21 @@ def test_torch_compile_matches_eager():
     torch.testing.assert_close(lse, expected_lse, atol=0, rtol=0)
 
 
+def test_compile_reduce_overhead_cuda_graphs():
+    """torch.compile's CUDA graphs (mode="reduce-overhead") on the trusted path."""
+    q, k, v, block_mask, mask = make_case("causal", "cuda", torch.bfloat16, seqlen=1000)
+    sparsity = bsattn.from_block_mask(block_mask)
+
+    def run(q, k, v):
+        return bsattn.attention(q, k, v, sparsity, mask=mask, validate=False)
+
+    compiled = torch.compile(run, mode="reduce-overhead", fullgraph=True)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    for _ in range(3):
+        q.copy_(torch.randn_like(q))
+        torch.testing.assert_close(compiled(q, k, v).clone(), run(q, k, v), atol=0, rtol=0)
+
+
 def _capture(fn):
     """Warm up on a side stream (plans are made there), then capture one call of fn."""
     side = torch.cuda.Stream()
