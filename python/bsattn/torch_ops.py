@@ -109,6 +109,9 @@ def _attention_out_fake(q, k, v, slots, *arguments):
 
 def attention(q, k, v, slots, options, out, lse):
     """`bsattn.attention` for PyTorch tensors: the flattened call through the custom ops."""
+    for name, t in (("k", k), ("v", v), *slots.items()):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise _tensors.fail(name, f"is a {type(t).__name__}; with a PyTorch q, pass PyTorch tensors")
     arguments = (q, k, v, [slots[name] for name in _api.SLOT_NAMES], *(options[name] for name in _api.OPTION_NAMES))
     return_lse = options["return_lse"]
     if out is None and lse is None:

@@ -124,3 +124,9 @@ def test_kv_valid_booleans_pack_like_numpy():
     words_torch = bsattn.Mask(kv_valid=torch.from_numpy(valid)).kv_valid
     assert words_torch.dtype == torch.int32
     np.testing.assert_array_equal(words_torch.numpy().view(np.uint32), words_numpy)
+
+
+def test_mixing_numpy_metadata_with_torch_tensors_is_named():
+    q = torch.randn(1, 64, 2, 32)
+    with pytest.raises(bsattn.BsattnError, match=r"doc_q.*PyTorch"):
+        bsattn.attention(q, q, q, mask=bsattn.Mask(doc_ids=(np.zeros((1, 64)), np.zeros((1, 64)))))
