@@ -181,9 +181,11 @@ void check_int32_extents(const Problem& pb, const TileShape& tiles) {
                       "max_seqlen_q + max(Bq, tile_m)");
   expect_int32_extent("problem.max_seqlen_kv", static_cast<std::int64_t>(pb.max_seqlen_kv) + pb.block.kv,
                       "max_seqlen_kv + Bk");
-  const std::int64_t route_rows =
-      static_cast<std::int64_t>(pb.batch) * pb.sparsity_heads * ceil_div(pb.max_seqlen_q, tiles.tile_m);
-  expect_int32_extent("problem.batch", route_rows, "route rows batch * sparsity_heads * ceil(max_seqlen_q / tile_m)");
+  // One work item per (route row, query head): a CUDA grid dimension and an int in the engines.
+  // Route rows (batch * sparsity_heads * tiles) are at most as many.
+  const std::int64_t work_items =
+      static_cast<std::int64_t>(pb.batch) * pb.heads_q * ceil_div(pb.max_seqlen_q, tiles.tile_m);
+  expect_int32_extent("problem.max_seqlen_q", work_items, "work items batch * heads_q * ceil(max_seqlen_q / tile_m)");
   const std::int64_t kv_blocks = ceil_div(pb.max_seqlen_kv, pb.block.kv);
   expect_int32_extent("problem.max_seqlen_kv", kv_blocks * (pb.block.kv / tiles.tile_n + 1),
                       "routes per row (KV tiles plus proxies)");

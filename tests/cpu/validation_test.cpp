@@ -574,6 +574,14 @@ TEST(Validation, Int32Extent) {
   expect_rejected(c, "problem.max_seqlen_q", "exceeds the int32 range the kernels index with");
 }
 
+TEST(Validation, Int32WorkItems) {
+  Case c(lists());
+  c.p.batch = 1 << 20;  // 2^20 sequences * 4 heads * 2^10 tiles of 64 rows (the plan fails first)
+  c.p.sparsity_batch = 1;
+  c.p.max_seqlen_q = 1 << 16;
+  expect_rejected(c, "problem.max_seqlen_q", "work items batch * heads_q * ceil(max_seqlen_q / tile_m) = 4294967296");
+}
+
 TEST(Validation, NegativeRouteCapacity) {
   Case c(lists());
   c.p.max_routes_per_row = -1;
