@@ -44,19 +44,24 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   for (int u = 0; u * p.unit_m < T::kBlockM; ++u)
     if (q0 + u * p.unit_m < si.seqlen_q) present |= 1u << u;
 
+  // Loads: K runs one route ahead of V, so that S(i+1) = Q K(i+1)^T is issued before O += P(i) V(i)
+  // and the softmax of route i+1 overlaps that PV GEMM on the tensor cores.
   using L = Loader<T>;
-  L::load_q(st, a, si, b, h, q0, tid);
-  cp_async_commit();
   auto route_tile = [&](int i, int& k0, int& n_valid) {
     const route::Route rt = routes[i];
     k0 = rt.index * p.tile_n;
     n_valid = min(p.tile_n, si.seqlen_kv - k0);
   };
-  if (count > 0) {
+  auto load = [&](auto is_v, int i) {
     int k0, n_valid;
-    route_tile(0, k0, n_valid);
-    L::load_kv(st, a, si, b, hkv, k0, n_valid, 0, tid);
-  }
+    route_tile(i, k0, n_valid);
+    L::template load_kv<decltype(is_v)::value>(st, a, si, b, hkv, k0, n_valid, i % T::kStages, tid);
+  };
+  L::load_q(st, a, si, b, h, q0, tid);
+  if (count > 0) load(false_type{}, 0);
+  cp_async_commit();
+  if (count > 0) load(true_type{}, 0);
+  if (count > 1) load(false_type{}, 1);
   cp_async_commit();
 
   typename T::MmaQK mma_qk;
@@ -78,28 +83,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Tensor c_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
   Tensor o_rc = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
   Tensor co_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  Tensor tOrP = make_tensor<Element>(acc_as_a_operand(tSrS.layout()));
+  Tensor s_as_a = make_tensor(tSrS.data(), acc_as_a_operand(tSrS.layout()));
   constexpr int kRows = decltype(size<0>(s_rc))::value;
 
   OnlineSoftmax<kRows> softmax(a.scale);
   const int q_begin = q0 + wg * 64;
 
-  for (int i = 0; i < count; ++i) {
+  // Route mask (only where the route needs one), then the online softmax of S.
+  auto mask_softmax = [&](int i, float (&rescale)[kRows]) {
     const route::Route rt = routes[i];
-    const int stage = i % T::kStages;
-    cp_async_wait<0>();
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
-    if (i + 1 < count) {
-      int k0n, nn;
-      route_tile(i + 1, k0n, nn);
-      L::load_kv(st, a, si, b, hkv, k0n, nn, (i + 1) % T::kStages, tid);
-    }
-    cp_async_commit();
-    if (rt.kind != static_cast<std::uint8_t>(route::RouteKind::exact)) continue;  // proxies: CPU only for now
-
-    wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
-    warpgroup_wait<0>();
-
     RouteMask m;
     m.k0 = rt.index * p.tile_n;
     m.n_valid = min(p.tile_n, si.seqlen_kv - m.k0);
@@ -111,17 +104,49 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       m.unit_m = p.unit_m;
       m.apply(s_rc, c_rc, a, si, b);
     }
-
-    float rescale[kRows];
     softmax.step(s_rc, rescale);
-    scale_rows(o_rc, rescale);
-
-    Tensor tOrP = make_tensor<Element>(acc_as_a_operand(tSrS.layout()));
-    Tensor s_as_a = make_tensor(tSrS.data(), acc_as_a_operand(tSrS.layout()));
+  };
+  auto convert_p = [&]() {
     CUTE_UNROLL
     for (int e = 0; e < size(tOrP); ++e) tOrP(e) = static_cast<Element>(s_as_a(e));
-    wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, stage), tOrO);
+  };
+
+  if (count > 0) {
+    cp_async_wait<1>();  // Q and K(0)
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+    wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, 0), tSrS);
     warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    float rescale[kRows];
+    mask_softmax(0, rescale);  // O is still zero: nothing to rescale
+    convert_p();
+    CUTE_NO_UNROLL
+    for (int i = 0; i < count; ++i) {
+      // V(i) and K(i+1) have landed; every warpgroup is done with S(i) and with PV(i-1), so the
+      // stages they read can be refilled.
+      cp_async_wait<0>();
+      cutlass::arch::fence_view_async_shared();
+      __syncthreads();
+      if (i + 1 < count) load(true_type{}, i + 1);
+      if (i + 2 < count) load(false_type{}, i + 2);
+      cp_async_commit();
+      if (i + 1 == count) break;
+      wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, (i + 1) % T::kStages), tSrS);
+      wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, i % T::kStages), tOrO);
+      warpgroup_wait<1>();  // S(i+1) done; PV(i) may still run
+      warpgroup_fence_operand(tSrS);
+      mask_softmax(i + 1, rescale);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP);
+      scale_rows(o_rc, rescale);
+      convert_p();
+    }
+    // Last PV (its V landed at the last barrier).
+    wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, (count - 1) % T::kStages), tOrO);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
   }
   cp_async_wait<0>();
 

@@ -31,28 +31,27 @@ struct Loader {
     }
   }
 
-  // KV tokens [k0, k0 + n_valid) into stage `stage`; K as (n, d), V transposed as (d, n).
+  // KV tokens [k0, k0 + n_valid) of K (kIsV false, stored (n, d)) or of V (stored transposed,
+  // (d, n)) into stage `stage`.
+  template <bool kIsV>
   __device__ __forceinline__ static void load_kv(typename T::SharedStorage& st, const AttentionParams& a,
                                                  const route::SeqInfo& si, int b, int hkv, int k0, int n_valid,
                                                  int stage, int tid) {
-    const Element* k = static_cast<const Element*>(a.k);
-    const Element* v = static_cast<const Element*>(a.v);
+    const Element* base = static_cast<const Element*>(kIsV ? a.v : a.k);
+    const std::int64_t bs = kIsV ? a.v_batch_stride : a.k_batch_stride;
+    const std::int64_t ts = kIsV ? a.v_token_stride : a.k_token_stride;
+    const std::int64_t hs = kIsV ? a.v_head_stride : a.k_head_stride;
     Tensor sK = make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(st.v), typename T::SmemLayoutVt{});
     const int d = (tid % kChunksPerRow) * 8;
     CUTE_UNROLL
     for (int n0 = 0; n0 < T::kBlockN; n0 += kRowsPerStep) {
       const int n = n0 + tid / kChunksPerRow;
-      if (kRowsPerStep * (T::kBlockN / kRowsPerStep) != T::kBlockN && n >= T::kBlockN) break;
+      if (T::kBlockN % kRowsPerStep != 0 && n >= T::kBlockN) break;
       const bool valid = n < n_valid;
-      const Element* ks = k;
-      const Element* vs = v;
-      if (valid) {
-        ks += a.kv_offset(b, si, k0 + n, hkv, a.k_batch_stride, a.k_token_stride, a.k_head_stride) + d;
-        vs += a.kv_offset(b, si, k0 + n, hkv, a.v_batch_stride, a.v_token_stride, a.v_head_stride) + d;
-      }
-      cp_async_16(&sK(n, d, stage), ks, valid);
-      cp_async_16(&sVt(d, n, stage), vs, valid);
+      const Element* src = valid ? base + a.kv_offset(b, si, k0 + n, hkv, bs, ts, hs) + d : base;
+      if constexpr (kIsV) cp_async_16(&sVt(d, n, stage), src, valid);
+      else cp_async_16(&sK(n, d, stage), src, valid);
     }
   }
 };
