@@ -400,6 +400,16 @@ std::string RandomCase::check_padding_untouched() const {
   return report;
 }
 
+std::vector<std::uint8_t> RandomCase::output_bytes() const {
+  std::vector<std::uint8_t> bytes;
+  for (const TensorView* t : {&outputs.out, &outputs.lse}) {
+    if (!t->defined()) continue;
+    const std::uint8_t* data = static_cast<const std::uint8_t*>(t->data);
+    bytes.insert(bytes.end(), data, data + extent(*t) * bsattn::element_size(t->dtype));
+  }
+  return bytes;
+}
+
 void RandomCase::run_library() {
   poison_outputs();
   if (custom_mask) {

@@ -72,6 +72,8 @@ class RandomCase {
   void run_library();
   // "" when every output element outside the logical tensors still holds the poison.
   std::string check_padding_untouched() const;
+  // Every byte of O and LSE, padding included, for bitwise comparisons between runs.
+  std::vector<std::uint8_t> output_bytes() const;
 
   // Element offset of token kv (sequence-local) of head hkv in K or V (`t` is inputs.k or inputs.v).
   std::int64_t kv_offset(const bsattn::TensorView& t, int b, int kv, int hkv) const;

@@ -1,0 +1,97 @@
+// SPEC §3 and §5: every input format is prepared into one route stream, so the same selection
+// written as block lists, varlen block lists, BSR or a bitmask gives bitwise identical outputs;
+// bitmask bits at or beyond nKB change nothing; and a partial block that the mask keeps whole
+// gives the same result when it is passed as a full block.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "random_problem.hpp"
+
+namespace bsattn_test {
+namespace {
+
+using bsattn::Format;
+
+constexpr int kCases = 120;
+
+std::string run_bytes(RandomCase& c, std::vector<std::uint8_t>& bytes) {
+  try {
+    c.run_library();
+  } catch (const std::exception& e) {
+    return std::string("library threw: ") + e.what();
+  }
+  bytes = c.output_bytes();
+  return "";
+}
+
+class FormatEquivalenceTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(FormatEquivalenceTest, EveryFormatGivesTheSameBits) {
+  CaseOptions options;
+  options.format = Format::block_lists;  // a selection every format can express
+  const auto c = make_random_case(2000000 + static_cast<std::uint64_t>(GetParam()), options);
+  const std::string failure = check_against_oracle(*c);
+  ASSERT_TRUE(failure.empty()) << failure;
+  const std::vector<std::uint8_t> reference = c->output_bytes();
+
+  std::vector<Format> formats{Format::bsr, Format::bitmask};
+  if (c->problem.q_layout == bsattn::QLayout::varlen) formats.push_back(Format::varlen_block_lists);
+  for (Format f : formats)
+    for (bool padding_bits : {false, true}) {
+      if (padding_bits && f != Format::bitmask) continue;
+      c->encode(f, padding_bits);
+      std::vector<std::uint8_t> bytes;
+      const std::string error = run_bytes(*c, bytes);
+      ASSERT_TRUE(error.empty()) << c->describe() << "\n" << error;
+      EXPECT_TRUE(bytes == reference) << c->describe() << (padding_bits ? " (with padding bits)" : "");
+    }
+}
+INSTANTIATE_TEST_SUITE_P(Random, FormatEquivalenceTest, ::testing::Range(0, kCases));
+
+// Partial blocks the built-in mask keeps whole, moved to the full set: same bits.
+class WholeBlocksAsFullTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(WholeBlocksAsFullTest, SameOutputAsPartial) {
+  CaseOptions options;
+  options.format = Format::block_lists;
+  options.has_partial = true;
+  options.has_full = false;
+  options.custom_mask = false;
+  options.builtin_mask = true;
+  const auto c = make_random_case(3000000 + static_cast<std::uint64_t>(GetParam()), options);
+  const std::string failure = check_against_oracle(*c);
+  ASSERT_TRUE(failure.empty()) << failure;
+  const std::vector<std::uint8_t> reference = c->output_bytes();
+
+  const Oracle oracle(c->problem, c->inputs);
+  SparsityPattern& pattern = c->pattern;
+  int moved = 0;
+  for (int pb = 0; pb < pattern.batch; ++pb)
+    for (int hs = 0; hs < pattern.heads; ++hs)
+      for (int qb = 0; qb < pattern.q_blocks; ++qb) {
+        std::vector<int>& partial = pattern.partial[pattern.row(pb, hs, qb)];
+        std::vector<int>& full = pattern.full[pattern.row(pb, hs, qb)];
+        std::vector<int> keep;
+        for (int kb : partial) {
+          // Every sequence reading this row must see the block whole.
+          bool whole = true;
+          for (int b = 0; b < c->problem.batch; ++b)
+            if ((pattern.batch == 1 || b == pb) && qb < c->q_blocks(b))
+              whole = whole && oracle.mask_keeps_whole(b, hs, qb, kb);
+          (whole ? full : keep).push_back(kb);
+          moved += whole;
+        }
+        partial = keep;
+      }
+  c->problem.has_full = true;
+  c->encode(Format::block_lists);
+  std::vector<std::uint8_t> bytes;
+  const std::string error = run_bytes(*c, bytes);
+  ASSERT_TRUE(error.empty()) << c->describe() << "\n" << error;
+  EXPECT_TRUE(bytes == reference) << c->describe() << " (" << moved << " blocks moved to the full set)";
+}
+INSTANTIATE_TEST_SUITE_P(Random, WholeBlocksAsFullTest, ::testing::Range(0, 60));
+
+}  // namespace
+}  // namespace bsattn_test
