@@ -330,18 +330,15 @@ std::vector<Field> input_fields(const Inputs& in) {
       {"k_summary", &in.k_summary},
       {"v_summary", &in.v_summary},
   };
-  const std::pair<const char*, const BlockSet*> sets[] = {
-      {"partial", &in.partial}, {"full", &in.full}, {"proxy", &in.proxy}};
   static const char* const kSetFields[3][4] = {{"partial.counts", "partial.indices", "partial.indptr", "partial.bits"},
                                                {"full.counts", "full.indices", "full.indptr", "full.bits"},
                                                {"proxy.counts", "proxy.indices", "proxy.indptr", "proxy.bits"}};
-  for (int s = 0; s < 3; ++s) {
-    const BlockSet& set = *sets[s].second;
-    f.push_back({kSetFields[s][0], &set.counts});
-    f.push_back({kSetFields[s][1], &set.indices});
-    f.push_back({kSetFields[s][2], &set.indptr});
-    f.push_back({kSetFields[s][3], &set.bits});
-  }
+  const BlockSet* sets[3] = {&in.partial, &in.full, &in.proxy};
+  for (int s = 0; s < 3; ++s)
+    f.insert(f.end(), {{kSetFields[s][0], &sets[s]->counts},
+                       {kSetFields[s][1], &sets[s]->indices},
+                       {kSetFields[s][2], &sets[s]->indptr},
+                       {kSetFields[s][3], &sets[s]->bits}});
   return f;
 }
 
