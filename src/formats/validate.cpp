@@ -565,11 +565,11 @@ class MetadataReader {
     if (pb.device != Device::cuda) return;
 #if BSATTN_WITH_CUDA
     int current = 0;
-    cuda_check("problem.device_index", cudaGetDevice(&current));
-    cuda_check("problem.device_index", cudaSetDevice(pb.device_index));
+    cuda_check("problem.device_index", "cudaGetDevice", cudaGetDevice(&current));
+    cuda_check("problem.device_index", "cudaSetDevice", cudaSetDevice(pb.device_index));
     const cudaError_t synced = cudaDeviceSynchronize();
-    cuda_check("problem.device_index", cudaSetDevice(current));
-    cuda_check("problem.device", synced);
+    cuda_check("problem.device_index", "cudaSetDevice", cudaSetDevice(current));
+    cuda_check("problem.validate", "synchronising the device before reading metadata", synced);
 #endif
   }
 
@@ -580,7 +580,8 @@ class MetadataReader {
     if (t.device == Device::cuda) {
 #if BSATTN_WITH_CUDA
       staging.resize(range.size());
-      cuda_check(name, cudaMemcpy(staging.data(), t.data, range.size(), cudaMemcpyDefault));
+      cuda_check(name, "copying it to the host for validation",
+                 cudaMemcpy(staging.data(), t.data, range.size(), cudaMemcpyDefault));
       base = staging.data();
 #else
       throw Error(name, "is on cuda, but this build has no GPU support");
@@ -602,8 +603,14 @@ class MetadataReader {
 
  private:
 #if BSATTN_WITH_CUDA
-  static void cuda_check(const std::string& name, cudaError_t e) {
-    if (e != cudaSuccess) throw Error(name, std::string("cannot be read for validation: ") + cudaGetErrorString(e));
+  static void cuda_check(const std::string& argument, const char* action, cudaError_t e) {
+    if (e == cudaSuccess) return;
+    cudaGetLastError();  // not sticky: leave no stale error for the caller's next check
+    std::string message = std::string(action) + " failed: " + cudaGetErrorString(e);
+    if (e == cudaErrorStreamCaptureUnsupported || e == cudaErrorStreamCaptureImplicit ||
+        e == cudaErrorStreamCaptureInvalidated)
+      message += " (value checks read metadata on the host, which CUDA graph capture forbids: capture with validate = false)";
+    throw Error(argument, message);
   }
 #endif
 };

@@ -452,6 +452,12 @@ TEST(Validation, BroadcastRowsAcceptBlocksOfTheLongestSequence) {
 
 // ---- Plan-time rules -------------------------------------------------------------------------
 
+TEST(Validation, UnknownEnumValue) {
+  Case c(lists());
+  c.p.format = static_cast<Format>(9);  // e.g. an unchecked integer from a binding
+  expect_rejected(c, "problem.format", "= 9 is not a known value");
+}
+
 TEST(Validation, HeadsNotDivisible) {
   Case c(lists());
   c.p.heads_kv = 3;
@@ -672,6 +678,12 @@ TEST(Validation, BlockTableNarrowerThanPagesPerSeq) {
   expect_rejected(c, "block_table", "dimension 1 (C) is 5");
 }
 
+TEST(Validation, VarlenBitmaskRowsTooFew) {
+  Case c(with(Format::bitmask, QLayout::varlen, KVLayout::contiguous));
+  c.in.partial.bits.shape[1] = 4;
+  expect_rejected(c, "partial.bits", "has 4 rows (dimension 1), but the sequences have total_m_blocks = 5");
+}
+
 TEST(Validation, BitmaskWordsTooFew) {
   Case c(with(Format::bitmask, QLayout::batched, KVLayout::contiguous));
   c.in.partial.bits.shape[3] = 0;
@@ -724,6 +736,12 @@ TEST(Validation, OutputOverlapsInput) {
   c.out.out.data = c.in.q.data;  // O has Q's shape and dtype
   c.poison();                    // the poison lands in Q; the rejection must leave it there
   expect_rejected(c, "outputs.out", "overlaps input q in memory");
+}
+
+TEST(Validation, OutputOverlapsMetadata) {
+  Case c(lists());
+  c.in.partial.indices.data = c.out.lse.data;  // metadata inside the LSE buffer
+  expect_rejected(c, "outputs.lse", "overlaps input partial.indices in memory");
 }
 
 TEST(Validation, OutputOverlapsLse) {
@@ -924,6 +942,18 @@ TEST(Validation, ExplicitProxySetIndexOutOfRange) {
   expect_rejected(c, "proxy.indices", "row (b=0, hs=0, qb=0) entry 0 = 5 is outside [0, nKB(b) = 3)");
 }
 
+TEST(Validation, ExplicitProxySetMayNameSelectedBlocks) {
+  // Selected blocks are computed exactly and skipped by the proxy set: not an error.
+  Options o = lists();
+  o.features = true;
+  Case c(o);
+  c.set_row("partial", 0, 0, 0, {1});
+  c.set_row("proxy", 0, 0, 0, {0, 1, 2});
+  c.poison();
+  EXPECT_NO_THROW(attention(c.p, c.in, c.out));
+  EXPECT_EQ(c.poisoned(), 0);
+}
+
 TEST(Validation, CapacityOverflowWritesNothing) {
   Case c(lists());
   c.p.max_routes_per_row = 1;
@@ -1050,6 +1080,31 @@ TEST(GpuValidation, HostMetadataOnAGpuProblem) {
   {
     OnDevice device(c, {"partial.counts"});
     expect_error(c, "partial.counts", "is on cpu:0, but the problem runs on cuda:0");
+  }
+  EXPECT_EQ(c.poisoned(), c.output_elements());
+}
+TEST(GpuValidation, ValueChecksInsideGraphCaptureFailCleanly) {
+  if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
+  Case c(on_gpu(lists()));
+  c.poison();
+  {
+    OnDevice device(c);
+    Plan plan(c.p);  // validate = true: run() reads metadata on the host
+    cudaStream_t stream = nullptr;
+    expect_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    expect_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    try {
+      plan.run(c.in, c.out, stream);
+      ADD_FAILURE() << "run() with validate = true succeeded inside a capture";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "problem.validate") << e.what();
+      EXPECT_NE(std::string(e.what()).find("capture with validate = false"), std::string::npos) << e.what();
+    }
+    cudaGraph_t graph = nullptr;
+    cudaStreamEndCapture(stream, &graph);  // the capture was invalidated; nothing to keep
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    expect_cuda(cudaStreamDestroy(stream));
   }
   EXPECT_EQ(c.poisoned(), c.output_elements());
 }
