@@ -2,6 +2,7 @@
 // Reproduce one case with --gtest_filter='*OracleTest*/<seed>' or BSATTN_ORACLE_SEED=<seed>.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -106,6 +107,48 @@ TEST(OracleGenerator, CoversEveryFeature) {
   for (int b : {16, 32, 48, 64, 128, 256}) required.push_back("Bk " + std::to_string(b));
   for (const std::string& feature : required) EXPECT_GE(seen[feature], 5) << feature;
 }
+
+// One plan, several runs whose metadata values change in between (SPEC §8): no state of an
+// earlier run may leak into a later one.
+class PlanReuseTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(PlanReuseTest, NewSelectionEachRun) {
+  CaseOptions options;
+  options.format = bsattn::Format::bitmask;
+  options.custom_mask = false;
+  const auto c = make_random_case(9000000 + static_cast<std::uint64_t>(GetParam()), options);
+  bsattn::Problem trusted = c->problem;
+  trusted.validate = false;
+  bsattn::Plan plan(trusted);
+  std::bernoulli_distribution keep(0.4);
+  for (int run = 0; run < 3; ++run) {
+    if (run > 0) {  // a fresh selection over the same blocks
+      SparsityPattern& pattern = c->pattern;
+      for (std::size_t r = 0; r < pattern.partial.size(); ++r) {
+        std::vector<int> blocks = pattern.partial[r];
+        blocks.insert(blocks.end(), pattern.full[r].begin(), pattern.full[r].end());
+        std::sort(blocks.begin(), blocks.end());
+        pattern.partial[r].clear();
+        pattern.full[r].clear();
+        for (int kb = 0; kb <= (blocks.empty() ? -1 : blocks.back()); ++kb)
+          if (keep(c->rng)) (c->problem.has_full && (!c->problem.has_partial || keep(c->rng)) ? pattern.full[r] : pattern.partial[r]).push_back(kb);
+      }
+      c->encode(bsattn::Format::bitmask);
+    }
+    c->poison_outputs();
+    try {
+      plan.run(c->inputs, c->outputs);
+    } catch (const std::exception& e) {
+      FAIL() << c->describe() << " run " << run << ": " << e.what();
+    }
+    const Oracle oracle(c->problem, c->inputs);
+    const std::string failure = compare_outputs(c->problem, oracle, oracle.compute(), c->outputs,
+                                                tolerance_for(c->problem.out_dtype)) +
+                                c->check_padding_untouched();
+    EXPECT_TRUE(failure.empty()) << c->describe() << " run " << run << "\n" << failure;
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Random, PlanReuseTest, ::testing::Range(0, 30));
 
 // Route-capacity overflow is an error raised before any output is written (SPEC §5, §8).
 TEST(OracleEngine, RouteOverflowThrowsBeforeWritingOutputs) {
