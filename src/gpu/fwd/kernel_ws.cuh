@@ -178,6 +178,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   Tensor tOrP = make_tensor<Element>(acc_as_a_operand(tSrS.layout()));
   Tensor s_as_a = make_tensor(tSrS.data(), acc_as_a_operand(tSrS.layout()));
   constexpr int kRows = decltype(size<0>(s_rc))::value;
+  constexpr bool kPingPong = T::kWarpgroups == 2;
+  constexpr int kSchedBarrier0 = 3;  // named barriers 3, 4 (0: __syncthreads, 1-2: Q tiles)
   OnlineSoftmax<kRows> softmax(a.scale);
   const bool warp_leader = (tid % 32) == 0;
 
@@ -218,12 +220,19 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     mask_softmax(0, rescale);  // O is still zero: nothing to rescale
     convert_p();
     // Steady state: S(i+1) and PV(i) in flight together, the softmax of i+1 under PV(i).
+    // Ping-pong (two consumer warpgroups): a warpgroup issues its two GEMMs only after the other
+    // one issued its own, so one warpgroup's softmax runs under the other's GEMMs.
+    if constexpr (kPingPong) {
+      if (wg == 0) cutlass::arch::NamedBarrier::arrive(256, kSchedBarrier0);
+    }
     CUTE_NO_UNROLL
     for (int i = 0; i < count - 1; ++i) {
       wait_full(bars.full_k, i + 1);
+      if constexpr (kPingPong) cutlass::arch::NamedBarrier::sync(256, kSchedBarrier0 + wg);
       wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, (i + 1) % kStages), tSrS);
       wait_full(bars.full_v, i);
       wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, i % kStages), tOrO);
+      if constexpr (kPingPong) cutlass::arch::NamedBarrier::arrive(256, kSchedBarrier0 + (1 - wg));
       warpgroup_wait<1>();  // S(i+1) done; PV(i) may still run
       warpgroup_fence_operand(tSrS);
       release(bars.empty_k, i + 1);
@@ -234,6 +243,10 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       release(bars.empty_v, i);
       scale_rows(o_rc, rescale);
       convert_p();
+    }
+    // Balance the ping-pong barriers (the first arrive, or the other warpgroup's last one).
+    if constexpr (kPingPong) {
+      if (wg == 0) cutlass::arch::NamedBarrier::sync(256, kSchedBarrier0);
     }
     // Last PV.
     wait_full(bars.full_v, count - 1);

@@ -23,6 +23,11 @@ struct RouteMask {
   template <class TS, class TC>
   __device__ __forceinline__ void apply(TS& s, const TC& c, const AttentionParams& a, const route::SeqInfo& si,
                                         int b) const {
+    const route::RouteParams& p = a.route;
+    if (!p.doc_q && !p.kv_valid) {
+      apply_positional(s, c, p, si);
+      return;
+    }
     CUTE_UNROLL
     for (int i = 0; i < size<0>(s); ++i) {
       const int r = get<0>(c(i, 0));
@@ -35,6 +40,40 @@ struct RouteMask {
         const int col = get<1>(c(i, j));
         bool visible = takes && col < n_valid;
         if (visible && partial) visible = route::token_visible(a.route, si, b, q, k0 + col);
+        if (!visible) s(i, j) = -INFINITY;
+      }
+    }
+  }
+
+  // Causal, window and sinks only (no per-token tensors): the visible KV range of a row follows
+  // from its diagonal, so each element costs a few integer compares. Same predicate as
+  // route::token_visible: (kv <= diag if causal) && (diag - wl <= kv <= diag + wr || kv < sinks).
+  template <class TS, class TC>
+  __device__ __forceinline__ void apply_positional(TS& s, const TC& c, const route::RouteParams& p,
+                                                   const route::SeqInfo& si) const {
+    constexpr int kBig = 0x3fffffff;
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(s); ++i) {
+      const int r = get<0>(c(i, 0));
+      const int q = q_begin + r;
+      const int unit = (tile_row0 + r) / unit_m;
+      const bool takes = ((rows >> unit) & 1u) && q < si.seqlen_q;
+      const bool partial = (masked >> unit) & 1u;
+      // Column bounds relative to k0: visible iff col < n_valid and
+      // (col <= causal_hi) and ((lo <= col <= win_hi) or col < sink).
+      const int diag = q + si.diag_offset - k0;
+      int causal_hi = kBig, lo = -kBig, win_hi = kBig, sink = -kBig;
+      if (partial) {
+        if (p.causal) causal_hi = diag;
+        if (p.window_left >= 0) lo = diag - p.window_left;
+        if (p.window_right >= 0) win_hi = diag + p.window_right;
+        sink = p.sink_tokens - k0;
+      }
+      const int limit = takes ? min(n_valid - 1, causal_hi) : -1;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) {
+        const int col = get<1>(c(i, j));
+        const bool visible = col <= limit && ((col >= lo && col <= win_hi) || col < sink);
         if (!visible) s(i, j) = -INFINITY;
       }
     }
