@@ -306,6 +306,14 @@ void expect_no_self_overlap(const std::string& name, const TensorView& t) {
   }
 }
 
+void expect_tensor(const Problem& pb, const std::string& name, const TensorView& t, const std::vector<Dim>& dims,
+                   DType dtype, Access access) {
+  expect_device(name, t, pb);
+  expect_shape(name, t, dims);
+  expect_dtype(name, t, dtype);
+  expect_strides(name, t, access);
+}
+
 // Named input fields, so that messages and the "given but not read" rule share one table.
 struct Field {
   const char* name;
@@ -351,7 +359,7 @@ class InputChecker {
   void require(const TensorView& t, const std::vector<Dim>& dims, DType dtype, Access access) {
     const std::string name = name_of(t);
     expect(t.defined(), name, [&] { return "is required by this problem (" + summary() + ") but not given"; });
-    check(pb_, name, t, dims, dtype, access);
+    expect_tensor(pb_, name, t, dims, dtype, access);
     read_.push_back(&t);
   }
   void optional(const TensorView& t, const std::vector<Dim>& dims, DType dtype, Access access) {
@@ -366,14 +374,6 @@ class InputChecker {
   }
 
   const std::vector<Field>& fields() const { return fields_; }
-
-  static void check(const Problem& pb, const std::string& name, const TensorView& t, const std::vector<Dim>& dims,
-                    DType dtype, Access access) {
-    expect_device(name, t, pb);
-    expect_shape(name, t, dims);
-    expect_dtype(name, t, dtype);
-    expect_strides(name, t, access);
-  }
 
  private:
   std::string name_of(const TensorView& t) const {
@@ -444,6 +444,12 @@ void check_block_set(InputChecker& c, const Problem& pb, const Extents& e, const
   }
 }
 
+// Q and O.
+std::vector<Dim> q_dims(const Problem& pb, const Extents& e) {
+  if (is_varlen(pb)) return {exactly("total_q", pb.total_q), exactly("Hq", e.Hq), exactly("D", e.D)};
+  return {exactly("B", e.B), exactly("Sq", e.Sq), exactly("Hq", e.Hq), exactly("D", e.D)};
+}
+
 std::vector<Dim> kv_dims(const Problem& pb, const Extents& e) {
   if (is_paged(pb))
     return {exactly("num_pages", pb.num_pages), exactly("page_size", pb.page_size), exactly("Hkv", e.Hkv),
@@ -455,13 +461,8 @@ std::vector<Dim> kv_dims(const Problem& pb, const Extents& e) {
 void check_inputs(InputChecker& c, const Problem& pb, const Inputs& in) {
   const Extents e(pb);
   const DType dt = pb.dtype;
-  if (is_varlen(pb)) {
-    c.require(in.q, {exactly("total_q", pb.total_q), exactly("Hq", e.Hq), exactly("D", e.D)}, dt, Access::vectors);
-    c.require(in.cu_seqlens_q, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
-  } else {
-    c.require(in.q, {exactly("B", e.B), exactly("Sq", e.Sq), exactly("Hq", e.Hq), exactly("D", e.D)}, dt,
-              Access::vectors);
-  }
+  c.require(in.q, q_dims(pb, e), dt, Access::vectors);
+  if (is_varlen(pb)) c.require(in.cu_seqlens_q, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
 
   if (is_paged(pb)) {
     c.require(in.block_table, {exactly("B", e.B), at_least("C", pb.pages_per_seq)}, DType::i32, Access::row_contiguous);
@@ -515,15 +516,12 @@ void check_outputs(const Problem& pb, const Outputs& out, const std::vector<Fiel
   const Extents e(pb);
   const bool varlen = is_varlen(pb);
   expect(out.out.defined(), "outputs.out", [&] { return "is required but not given"; });
-  const std::vector<Dim> o =
-      varlen ? std::vector<Dim>{exactly("total_q", pb.total_q), exactly("Hq", e.Hq), exactly("D", e.D)}
-             : std::vector<Dim>{exactly("B", e.B), exactly("Sq", e.Sq), exactly("Hq", e.Hq), exactly("D", e.D)};
-  InputChecker::check(pb, "outputs.out", out.out, o, pb.out_dtype, Access::vectors);
+  expect_tensor(pb, "outputs.out", out.out, q_dims(pb, e), pb.out_dtype, Access::vectors);
   expect_no_self_overlap("outputs.out", out.out);
   if (out.lse.defined()) {
     const std::vector<Dim> l = varlen ? std::vector<Dim>{exactly("Hq", e.Hq), exactly("total_q", pb.total_q)}
                                       : std::vector<Dim>{exactly("B", e.B), exactly("Hq", e.Hq), exactly("Sq", e.Sq)};
-    InputChecker::check(pb, "outputs.lse", out.lse, l, DType::f32, Access::strided);
+    expect_tensor(pb, "outputs.lse", out.lse, l, DType::f32, Access::strided);
     expect_no_self_overlap("outputs.lse", out.lse);
   }
 
@@ -545,7 +543,6 @@ void check_outputs(const Problem& pb, const Outputs& out, const std::vector<Fiel
 struct HostInts {
   std::vector<std::int32_t> values;
   std::array<std::int64_t, TensorView::kMaxRank> shape{};
-  int rank = 0;
 
   std::int32_t at(std::initializer_list<std::int64_t> index) const {
     std::int64_t offset = 0;
@@ -588,7 +585,6 @@ class MetadataReader {
 #endif
     }
     HostInts h;
-    h.rank = t.rank;
     for (int i = 0; i < t.rank; ++i) h.shape[i] = t.shape[i];
     h.values.resize(static_cast<std::size_t>(t.numel()));
     std::array<std::int64_t, TensorView::kMaxRank> index{};
@@ -609,7 +605,8 @@ class MetadataReader {
     std::string message = std::string(action) + " failed: " + cudaGetErrorString(e);
     if (e == cudaErrorStreamCaptureUnsupported || e == cudaErrorStreamCaptureImplicit ||
         e == cudaErrorStreamCaptureInvalidated)
-      message += " (value checks read metadata on the host, which CUDA graph capture forbids: capture with validate = false)";
+      message +=
+          " (value checks read metadata on the host, which CUDA graph capture forbids: capture with validate = false)";
     throw Error(argument, message);
   }
 #endif

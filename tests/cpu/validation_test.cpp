@@ -83,7 +83,8 @@ class Case {
                                                            : std::vector<std::int64_t>{B, 40, Hkv, D};
     in.k = values(kv_shape, p.dtype);
     in.v = values(kv_shape, p.dtype);
-    out.out = values(varlen_q ? std::vector<std::int64_t>{60, Hq, D} : std::vector<std::int64_t>{B, 40, Hq, D}, p.out_dtype);
+    out.out =
+        values(varlen_q ? std::vector<std::int64_t>{60, Hq, D} : std::vector<std::int64_t>{B, 40, Hq, D}, p.out_dtype);
     out.lse = values(varlen_q ? std::vector<std::int64_t>{Hq, 60} : std::vector<std::int64_t>{B, Hq, 40}, DType::f32);
     if (varlen_q) in.cu_seqlens_q = ints({B + 1}, {0, 40, 60});
     if (varlen_kv) in.cu_seqlens_k = ints({B + 1}, {0, 40, 64});
@@ -141,9 +142,12 @@ class Case {
         {"outputs.out", &out.out},
         {"outputs.lse", &out.lse},
     };
-    for (auto [set_name, set] : {std::pair<const char*, BlockSet*>{"partial", &in.partial}, {"full", &in.full}, {"proxy", &in.proxy}}) {
+    for (auto [set_name, set] :
+         {std::pair<const char*, BlockSet*>{"partial", &in.partial}, {"full", &in.full}, {"proxy", &in.proxy}}) {
       const std::string n = set_name;
-      f.insert(f.end(), {{n + ".counts", &set->counts}, {n + ".indices", &set->indices}, {n + ".indptr", &set->indptr},
+      f.insert(f.end(), {{n + ".counts", &set->counts},
+                         {n + ".indices", &set->indices},
+                         {n + ".indptr", &set->indptr},
                          {n + ".bits", &set->bits}});
     }
     return f;
@@ -176,7 +180,9 @@ class Case {
   }
 
   // O and LSE as 32-bit words (bf16 elements pair up).
-  static std::int64_t words(const TensorView& t) { return t.numel() * static_cast<std::int64_t>(element_size(t.dtype)) / 4; }
+  static std::int64_t words(const TensorView& t) {
+    return t.numel() * static_cast<std::int64_t>(element_size(t.dtype)) / 4;
+  }
   void poison() {
     for (TensorView* t : {&out.out, &out.lse}) {
       auto* bits = static_cast<std::uint32_t*>(t->data);
@@ -1056,7 +1062,8 @@ TEST(GpuValidation, BlockIndicesAreReadFromTheDevice) {
   c.poison();
   {
     OnDevice device(c);
-    expect_error(c, "partial.indices", "row (b=1, hs=0, qb=1) entry 2 = 1 is not above the previous entry 1 (duplicate)");
+    expect_error(c, "partial.indices",
+                 "row (b=1, hs=0, qb=1) entry 2 = 1 is not above the previous entry 1 (duplicate)");
   }
   EXPECT_EQ(c.poisoned(), c.output_elements());
 }
