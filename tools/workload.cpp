@@ -123,8 +123,8 @@ float element_as_float(const TensorView& t, std::int64_t i) {
 
 // ---- WorkloadSpec ----------------------------------------------------------------------------
 
-int WorkloadSpec::max_seqlen_q() const { return *std::max_element(seqlens_q.begin(), seqlens_q.end()); }
-int WorkloadSpec::max_seqlen_kv() const { return *std::max_element(seqlens_kv.begin(), seqlens_kv.end()); }
+int WorkloadSpec::max_seqlen_q() const { return seqlens_q.empty() ? 0 : *std::max_element(seqlens_q.begin(), seqlens_q.end()); }
+int WorkloadSpec::max_seqlen_kv() const { return seqlens_kv.empty() ? 0 : *std::max_element(seqlens_kv.begin(), seqlens_kv.end()); }
 
 WorkloadSpec WorkloadSpec::dense() const {
   WorkloadSpec d = *this;
