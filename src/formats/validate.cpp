@@ -571,11 +571,11 @@ class MetadataReader {
   }
 
   HostInts read(const std::string& name, const TensorView& t) const {
-    const ByteRange range = byte_range(t);
     const unsigned char* base = static_cast<const unsigned char*>(t.data);
     std::vector<unsigned char> staging;
     if (t.device == Device::cuda) {
 #if BSATTN_WITH_CUDA
+      const ByteRange range = byte_range(t);
       staging.resize(range.size());
       cuda_check(name, "copying it to the host for validation",
                  cudaMemcpy(staging.data(), t.data, range.size(), cudaMemcpyDefault));
