@@ -76,13 +76,14 @@ bool is_poison(const void* data, DType dtype, std::int64_t offset) {
 
 struct Draw {
   std::mt19937_64& rng;
+  std::normal_distribution<double> gaussian{0, 1};  // kept: it makes values in pairs
   int uniform(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
   bool chance(double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; }
   template <class T>
   T pick(std::initializer_list<T> options) {
     return *(options.begin() + uniform(0, static_cast<int>(options.size()) - 1));
   }
-  double normal() { return std::normal_distribution<double>(0, 1)(rng); }
+  double normal() { return gaussian(rng); }
   // Lengths skewed to small, with odd tails; `zero` allows empty sequences.
   int length(int max, bool zero) {
     if (zero && chance(0.1)) return 0;
