@@ -82,6 +82,7 @@ TEST(OracleGenerator, CoversEveryFeature) {
     tally("proxy eligible", p.proxy == bsattn::Proxy::eligible);
     tally("proxy explicit", p.proxy == bsattn::Proxy::explicit_set);
     tally("plan with validate=false", !c->one_shot && !c->custom_mask);
+    tally("run_with_mask", !c->one_shot && c->custom_mask);
     tally("no LSE", !c->outputs.lse.defined());
     bool empty_q = false, empty_kv = false, tail = false;
     for (int b = 0; b < p.batch; ++b) {
@@ -98,7 +99,7 @@ TEST(OracleGenerator, CoversEveryFeature) {
                                     "Hs=1 shared", "Hs=Hkv<Hq", "Hs=Hq>1", "Bs=B>1", "partial only", "full only",
                                     "partial+full", "no mask", "causal bottom-right", "causal top-left", "window",
                                     "window + sinks", "document ids", "kv valid bits", "custom mask", "proxy eligible",
-                                    "proxy explicit", "plan with validate=false", "no LSE", "empty Q sequence",
+                                    "proxy explicit", "plan with validate=false", "run_with_mask", "no LSE", "empty Q sequence",
                                     "empty KV sequence", "tails"};
   for (int f = 0; f <= static_cast<int>(Format::bitmask); ++f) required.push_back("format " + std::to_string(f));
   for (const char* d : {"f32->f32", "f16->f32", "f16->f16", "bf16->f32", "bf16->bf16"}) required.push_back(std::string("dtype ") + d);

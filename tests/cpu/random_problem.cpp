@@ -186,7 +186,8 @@ std::string RandomCase::describe() const {
   if (custom_mask) s << " custom=" << custom_mask_name;
   if (p.proxy != Proxy::off) s << " proxy=" << (p.proxy == Proxy::eligible ? "eligible" : "explicit");
   if (p.scale != 0.0f) s << " scale=" << p.scale;
-  s << (custom_mask ? " attention_with_mask" : one_shot ? " one-shot" : " plan(validate=false)");
+  if (one_shot) s << (custom_mask ? " attention_with_mask" : " one-shot");
+  else s << (custom_mask ? " run_with_mask" : " plan.run") << "(validate=false)";
   return s.str();
 }
 
@@ -413,16 +414,16 @@ std::vector<std::uint8_t> RandomCase::output_bytes() const {
 
 void RandomCase::run_library() {
   poison_outputs();
-  if (custom_mask) {
-    bsattn::attention_with_mask(problem, inputs, outputs, custom_mask);
-  } else if (one_shot) {
-    bsattn::attention(problem, inputs, outputs);
-  } else {
-    bsattn::Problem trusted = problem;
-    trusted.validate = false;
-    bsattn::Plan plan(trusted);
-    plan.run(inputs, outputs);
+  if (one_shot) {
+    if (custom_mask) bsattn::attention_with_mask(problem, inputs, outputs, custom_mask);
+    else bsattn::attention(problem, inputs, outputs);
+    return;
   }
+  bsattn::Problem trusted = problem;
+  trusted.validate = false;
+  bsattn::Plan plan(trusted);
+  if (custom_mask) bsattn::run_with_mask(plan, inputs, outputs, custom_mask);
+  else plan.run(inputs, outputs);
 }
 
 std::unique_ptr<RandomCase> make_random_case(std::uint64_t seed, const CaseOptions& options) {

@@ -52,7 +52,9 @@ class RandomCase {
   SparsityPattern pattern;
   TokenMaskFn custom_mask;  // empty: none
   std::string custom_mask_name;
-  bool one_shot = true;  // attention() (validate forced on); else Plan with validate = false
+  // attention() / attention_with_mask() (validate forced on); else a Plan with validate = false
+  // and Plan::run() / run_with_mask().
+  bool one_shot = true;
 
   int q_blocks(int b) const;
   int kv_blocks(int b) const;
@@ -68,7 +70,7 @@ class RandomCase {
 
   // Fills every output byte (padding included) with a NaN pattern.
   void poison_outputs();
-  // Runs the library on the case (the custom mask through bsattn::attention_with_mask).
+  // Runs the library on the case (a custom mask through custom_mask.hpp).
   void run_library();
   // "" when every output element outside the logical tensors still holds the poison.
   std::string check_padding_untouched() const;
