@@ -1,11 +1,12 @@
 // SPEC §3 and §5: every input format is prepared into one route stream, so the same selection
 // written as block lists, varlen block lists, BSR or a bitmask gives bitwise identical outputs;
 // bitmask bits at or beyond nKB change nothing; and a partial block that the mask keeps whole
-// gives the same result when it is passed as a full block.
+// gives the same result when it is passed as a full block. Also the varlen offset helper.
 #include <gtest/gtest.h>
 
 #include <vector>
 
+#include "bsattn/varlen.hpp"
 #include "random_problem.hpp"
 
 namespace bsattn_test {
@@ -92,6 +93,30 @@ TEST_P(WholeBlocksAsFullTest, SameOutputAsPartial) {
   EXPECT_TRUE(bytes == reference) << c->describe() << " (" << moved << " blocks moved to the full set)";
 }
 INSTANTIATE_TEST_SUITE_P(Random, WholeBlocksAsFullTest, ::testing::Range(0, 60));
+
+// bsattn::varlen_block_offsets (SPEC §3.2) against the prefix sums of nQB(b) and nQB(b) * nKB(b),
+// for packed and paged KV, with and without seqused_k.
+class VarlenOffsetsTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(VarlenOffsetsTest, MatchPrefixSums) {
+  CaseOptions options;
+  options.varlen = true;
+  options.format = Format::varlen_block_lists;
+  const auto c = make_random_case(3500000 + static_cast<std::uint64_t>(GetParam()), options);
+  const int B = c->problem.batch;
+  std::vector<std::int32_t> cu_m(B + 1, -1), cu_idx(B + 1, -1);
+  bsattn::varlen_block_offsets(c->problem, c->inputs,
+                               bsattn::TensorView::contiguous(cu_m.data(), bsattn::DType::i32, {B + 1}),
+                               bsattn::TensorView::contiguous(cu_idx.data(), bsattn::DType::i32, {B + 1}));
+  std::vector<std::int32_t> want_m{0}, want_idx{0};
+  for (int b = 0; b < B; ++b) {
+    want_m.push_back(want_m.back() + c->q_blocks(b));
+    want_idx.push_back(want_idx.back() + c->q_blocks(b) * c->kv_blocks(b));
+  }
+  EXPECT_EQ(cu_m, want_m) << c->describe();
+  EXPECT_EQ(cu_idx, want_idx) << c->describe();
+}
+INSTANTIATE_TEST_SUITE_P(Random, VarlenOffsetsTest, ::testing::Range(0, 30));
 
 }  // namespace
 }  // namespace bsattn_test
