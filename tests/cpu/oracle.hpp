@@ -40,12 +40,9 @@ class Oracle {
  public:
   Oracle(const bsattn::Problem& problem, const bsattn::Inputs& inputs, TokenMaskFn custom_mask = {});
 
-  int batch() const { return problem_.batch; }
   int seqlen_q(int b) const { return seqlen_q_[b]; }
-  int seqlen_kv(int b) const { return seqlen_kv_[b]; }
   int q_blocks(int b) const;
   int kv_blocks(int b) const;
-  int sparsity_heads() const { return sparsity_heads_; }
   int sparsity_head(int h) const { return h / (problem_.heads_q / sparsity_heads_); }
   std::int64_t q_row(int b, int q) const { return q_row_base_[b] + q; }
   std::int64_t total_q_rows() const { return q_row_base_.back(); }

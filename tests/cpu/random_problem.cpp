@@ -123,8 +123,7 @@ std::uint32_t mix(std::uint64_t x) {
   return static_cast<std::uint32_t>(x);
 }
 
-}  // namespace
-
+// The nearest value of `dtype` to x, never zero nor subnormal (test inputs must be nonzero).
 double representable(DType dtype, double x) {
   const double tiny = 1.0 / 1024;  // keeps every input normal and nonzero in all three dtypes
   if (std::fabs(x) < tiny) x = x < 0 ? -tiny : tiny;
@@ -135,6 +134,7 @@ double representable(DType dtype, double x) {
   }
 }
 
+// Writes `value` at element `offset` of a float tensor, rounded to its dtype.
 void store_real(void* base, DType dtype, std::int64_t offset, double value) {
   switch (dtype) {
     case DType::f32: static_cast<float*>(base)[offset] = static_cast<float>(value); break;
@@ -143,6 +143,8 @@ void store_real(void* base, DType dtype, std::int64_t offset, double value) {
     default: break;
   }
 }
+
+}  // namespace
 
 int RandomCase::q_blocks(int b) const { return ceil_div(seqlen_q[b], problem.block.q); }
 int RandomCase::kv_blocks(int b) const { return ceil_div(seqlen_kv[b], problem.block.kv); }

@@ -98,9 +98,4 @@ std::unique_ptr<RandomCase> make_random_case(std::uint64_t seed, const CaseOptio
 // description and the mismatches.
 std::string check_against_oracle(RandomCase& c);
 
-// Writes `value` (exactly representable in `dtype`) at element `offset` of a float tensor.
-void store_real(void* base, bsattn::DType dtype, std::int64_t offset, double value);
-// The nearest value of `dtype` to x, never zero nor subnormal (test inputs must be nonzero).
-double representable(bsattn::DType dtype, double x);
-
 }  // namespace bsattn_test
