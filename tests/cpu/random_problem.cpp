@@ -53,11 +53,16 @@ std::int64_t extent(const TensorView& t) {
                 std::vector<std::int64_t>(t.stride.begin(), t.stride.begin() + t.rank));
 }
 
-// Row-major strides with `pad[i]` extra elements after each index of dimension i + 1.
-std::vector<std::int64_t> padded_strides(const std::vector<std::int64_t>& shape, const std::vector<std::int64_t>& pad) {
+// Strides for `shape` with its dimensions nested in memory in `order` (outermost first; identity
+// when empty: row-major), with pad[i] spare elements per step of dimension order[i].
+std::vector<std::int64_t> padded_strides(const std::vector<std::int64_t>& shape, const std::vector<std::int64_t>& pad,
+                                         std::vector<int> order = {}) {
+  if (order.empty())
+    for (int i = 0; i < static_cast<int>(shape.size()); ++i) order.push_back(i);
   std::vector<std::int64_t> stride(shape.size());
-  stride.back() = 1;
-  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) stride[i] = stride[i + 1] * shape[i + 1] + pad[i];
+  stride[order.back()] = 1;
+  for (int i = static_cast<int>(order.size()) - 2; i >= 0; --i)
+    stride[order[i]] = stride[order[i + 1]] * shape[order[i + 1]] + pad[i];
   return stride;
 }
 
@@ -258,14 +263,16 @@ void RandomCase::encode(Format format, bool padding_bits) {
         const int Bs = problem.sparsity_batch;
         const int L = std::max(1, std::min(nkb_max, static_cast<int>(longest) + draw.uniform(0, 2)));
         const std::int64_t row_stride = L + draw.pick({0, 3});
-        std::int32_t* counts = allocate<std::int32_t>(static_cast<std::int64_t>(Bs) * Hs * nqb_max);
+        const std::int64_t count_stride = nqb_max + draw.pick({0, 2});  // padding holds garbage
+        std::int32_t* counts = allocate<std::int32_t>(static_cast<std::int64_t>(Bs) * Hs * count_stride);
         std::int32_t* indices = allocate<std::int32_t>(static_cast<std::int64_t>(Bs) * Hs * nqb_max * row_stride);
+        std::fill_n(counts, static_cast<std::int64_t>(Bs) * Hs * count_stride, 1 << 20);
         for (std::size_t i = 0; i < rows.size(); ++i) {
-          counts[i] = static_cast<std::int32_t>(lists[i].size());
+          counts[(i / nqb_max) * count_stride + i % nqb_max] = static_cast<std::int32_t>(lists[i].size());
           for (std::int64_t j = 0; j < row_stride; ++j)
             indices[i * row_stride + j] = j < static_cast<std::int64_t>(lists[i].size()) ? lists[i][j] : garbage_index();
         }
-        set.counts = view(counts, DType::i32, {Bs, Hs, nqb_max}, {static_cast<std::int64_t>(Hs) * nqb_max, nqb_max, 1});
+        set.counts = view(counts, DType::i32, {Bs, Hs, nqb_max}, {Hs * count_stride, count_stride, 1});
         set.indices = view(indices, DType::i32, {Bs, Hs, nqb_max, L},
                            {static_cast<std::int64_t>(Hs) * nqb_max * row_stride, nqb_max * row_stride, row_stride, 1});
         break;
@@ -296,7 +303,7 @@ void RandomCase::encode(Format format, bool padding_bits) {
         break;
       }
       case Format::bitmask: {
-        const int W = std::max(1, ceil_div(nkb_max, 32));
+        const int W = std::max(1, ceil_div(nkb_max, 32)) + draw.pick({0, 0, 1});  // spare words are padding
         std::uint32_t* words = allocate<std::uint32_t>(static_cast<std::int64_t>(rows.size()) * W);
         for (std::size_t i = 0; i < rows.size(); ++i) {
           std::uint32_t* w = words + i * W;
@@ -524,11 +531,20 @@ std::unique_ptr<RandomCase> make_random_case(std::uint64_t seed, const CaseOptio
     return view(data, dtype, shape, stride);
   };
   const auto pad = [&] { return static_cast<std::int64_t>(draw.pick({0, 0, 8, 16})); };
+  // Q/K/V/O strides: padded, and head-major (heads outside tokens) a third of the time.
+  const auto token_head_strides = [&](const std::vector<std::int64_t>& shape) {
+    const int token = static_cast<int>(shape.size()) - 3;  // [B,] tokens, heads, D
+    std::vector<int> order{token, token + 1, token + 2};
+    if (draw.chance(0.33)) std::swap(order[0], order[1]);
+    if (token == 1) order.insert(order.begin(), 0);
+    std::vector<std::int64_t> pads;
+    for (std::size_t i = 0; i + 1 < shape.size(); ++i) pads.push_back(pad());
+    return padded_strides(shape, pads, order);
+  };
 
   // ---- Q, K, V --------------------------------------------------------------------------------
-  in.q = varlen ? float_tensor(p.dtype, {p.total_q, Hq, D}, padded_strides({p.total_q, Hq, D}, {pad(), pad()}))
-                : float_tensor(p.dtype, {B, p.max_seqlen_q, Hq, D},
-                               padded_strides({B, p.max_seqlen_q, Hq, D}, {pad(), pad(), pad()}));
+  in.q = varlen ? float_tensor(p.dtype, {p.total_q, Hq, D}, token_head_strides({p.total_q, Hq, D}))
+                : float_tensor(p.dtype, {B, p.max_seqlen_q, Hq, D}, token_head_strides({B, p.max_seqlen_q, Hq, D}));
   for (int b = 0; b < B; ++b)
     for (int q = 0; q < c.seqlen_q[b]; ++q)
       for (int h = 0; h < Hq; ++h)
@@ -558,12 +574,7 @@ std::unique_ptr<RandomCase> make_random_case(std::uint64_t seed, const CaseOptio
     in.seq_lens_kv = int_tensor(std::vector<std::int32_t>(c.seqlen_kv.begin(), c.seqlen_kv.end()));
     const std::vector<std::int64_t> shape{p.num_pages, p.page_size, Hkv, D};
     for (TensorView* t : {&in.k, &in.v}) {
-      const bool head_major = draw.chance(0.4);  // [pages, Hkv, page_size, D] memory order
-      std::vector<std::int64_t> stride =
-          head_major ? std::vector<std::int64_t>{static_cast<std::int64_t>(Hkv) * p.page_size * D, D,
-                                                 static_cast<std::int64_t>(p.page_size) * D, 1}
-                     : padded_strides(shape, {0, pad(), pad()});
-      *t = float_tensor(p.dtype, shape, stride);
+      *t = float_tensor(p.dtype, shape, token_head_strides(shape));  // head-major caches too
     }
   } else if (varlen) {
     for (int b = 0; b < B; ++b) cu_k[b + 1] = cu_k[b] + packed_kv[b];
@@ -571,11 +582,10 @@ std::unique_ptr<RandomCase> make_random_case(std::uint64_t seed, const CaseOptio
     if (seqused) in.seqused_k = int_tensor(std::vector<std::int32_t>(c.seqlen_kv.begin(), c.seqlen_kv.end()));
     p.total_kv = cu_k[B];
     for (TensorView* t : {&in.k, &in.v})
-      *t = float_tensor(p.dtype, {p.total_kv, Hkv, D}, padded_strides({p.total_kv, Hkv, D}, {pad(), pad()}));
+      *t = float_tensor(p.dtype, {p.total_kv, Hkv, D}, token_head_strides({p.total_kv, Hkv, D}));
   } else {
     for (TensorView* t : {&in.k, &in.v})
-      *t = float_tensor(p.dtype, {B, p.max_seqlen_kv, Hkv, D},
-                        padded_strides({B, p.max_seqlen_kv, Hkv, D}, {pad(), pad(), pad()}));
+      *t = float_tensor(p.dtype, {B, p.max_seqlen_kv, Hkv, D}, token_head_strides({B, p.max_seqlen_kv, Hkv, D}));
   }
   for (int b = 0; b < B; ++b)
     for (int kv = 0; kv < c.seqlen_kv[b]; ++kv)
@@ -588,12 +598,11 @@ std::unique_ptr<RandomCase> make_random_case(std::uint64_t seed, const CaseOptio
   // ---- Outputs ------------------------------------------------------------------------------
   bsattn::Outputs& out = c.outputs;
   if (varlen) {
-    out.out = float_tensor(p.out_dtype, {p.total_q, Hq, D}, padded_strides({p.total_q, Hq, D}, {pad(), pad()}));
+    out.out = float_tensor(p.out_dtype, {p.total_q, Hq, D}, token_head_strides({p.total_q, Hq, D}));
     if (draw.chance(0.85))
       out.lse = float_tensor(DType::f32, {Hq, p.total_q}, padded_strides({Hq, p.total_q}, {pad()}));
   } else {
-    out.out = float_tensor(p.out_dtype, {B, p.max_seqlen_q, Hq, D},
-                           padded_strides({B, p.max_seqlen_q, Hq, D}, {pad(), pad(), pad()}));
+    out.out = float_tensor(p.out_dtype, {B, p.max_seqlen_q, Hq, D}, token_head_strides({B, p.max_seqlen_q, Hq, D}));
     if (draw.chance(0.85))
       out.lse = float_tensor(DType::f32, {B, Hq, p.max_seqlen_q}, padded_strides({B, Hq, p.max_seqlen_q}, {pad(), pad()}));
   }
