@@ -243,7 +243,7 @@ def main():
             row[pn] = pt
             row[pn + "_tf"] = flops / pt / 1e9
         rows.append(row)
-        line = f"{name:28s} bsattn {t:8.3f} ms {tf:6.1f} TF/s  err {err:.1e}"
+        line = f"{name:28s} bsattn {t:8.3f} ms {tf:6.1f} TF/s" + (f"  err {err:.1e}" if err == err else "")
         for pn, pt in peer.items():
             line += f" | {pn} {pt:8.3f} ms {flops / pt / 1e9:6.1f} TF/s  x{pt / t:.2f}"
         print(line, flush=True)
@@ -262,7 +262,7 @@ def main():
         cd = f"{r['cudnn']:.3f} ({r['cudnn_tf']:.0f})" if "cudnn" in r else "—"
         sf = f"{r['flex'] / r['ms']:.2f}x" if "flex" in r else "—"
         sc = f"{r['cudnn'] / r['ms']:.2f}x" if "cudnn" in r else "—"
-        lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | {fx} | {cd} | {sf} | {sc} | {r['ratio_d'] or '—'} | {r['err']:.1e} |")
+        lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | {fx} | {cd} | {sf} | {sc} | {r['ratio_d'] or '—'} | {'—' if r['err'] != r['err'] else format(r['err'], '.1e')} |")
     table = "\n".join(lines)
     print(table)
     if ARGS.out:

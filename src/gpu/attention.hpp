@@ -16,7 +16,10 @@ int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile
 cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n);
 
 // Launches the forward kernel for params (device pointers; routes and counts prepared).
+// kv_tokens: rows of the K/V tensors along the token dimension (Skv extent batched, total_kv
+// varlen): the bound of the bulk tensor copies.
 // `overflow` is the device flag route preparation raised; a set flag makes the kernel write nothing.
-cudaError_t run_forward(const AttentionParams& params, const int* overflow, cudaStream_t stream);
+cudaError_t run_forward(const AttentionParams& params, std::int64_t kv_tokens, const int* overflow,
+                        cudaStream_t stream);
 
 }  // namespace bsattn::gpu

@@ -46,4 +46,14 @@ if [[ " $STEPS " == *" bench "* ]]; then
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^|" 
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
+if [[ " $STEPS " == *" variants "* ]]; then
+  # The cp.async producer (no TMA) must stay correct; timing of the run-time variants.
+  echo "== variants"
+  BSATTN_GPU_NO_TMA=1 timeout 120 "$T" > "$OUT/gpu_tests_no_tma.log" 2>&1
+  echo "tests without TMA rc=$?: $(grep -E '^\[  (PASSED|FAILED)  \]' "$OUT/gpu_tests_no_tma.log" | head -3 | tr '\n' ' ')"
+  for v in BSATTN_GPU_NO_TMA; do
+    env $v=1 PYTHONUNBUFFERED=1 timeout 150 python3 bench/gpu/bench_forward.py --lib "$LIB" --peers none \
+      --only ${VARIANT_ONLY:-S32768} 2>&1 | grep -E "^S[0-9]" | sed "s/^/$v=1 /"
+  done
+fi
 exit $status

@@ -13,13 +13,14 @@
 namespace bsattn::gpu::fwd {
 
 template <class Element, int kHeadDim, int kBlockN>
-cudaError_t run_family_n(const AttentionParams* a, int tile_m, const int* overflow, cudaStream_t stream) {
+cudaError_t run_family_n(const AttentionParams* a, int tile_m, std::int64_t kv_tokens, const int* overflow,
+                         cudaStream_t stream) {
 #if BSATTN_FWD_WARP_SPECIALIZED
-  if (tile_m == 128) return launch_forward_ws<Traits<Element, kHeadDim, 2, kBlockN>>(a, overflow, stream);
-  if (tile_m == 64) return launch_forward_ws<Traits<Element, kHeadDim, 1, kBlockN>>(a, overflow, stream);
+  if (tile_m == 128) return launch_forward_ws<Traits<Element, kHeadDim, 2, kBlockN>>(a, kv_tokens, overflow, stream);
+  if (tile_m == 64) return launch_forward_ws<Traits<Element, kHeadDim, 1, kBlockN>>(a, kv_tokens, overflow, stream);
 #else
-  if (tile_m == 128) return launch_forward<Traits<Element, kHeadDim, 2, kBlockN>>(a, overflow, stream);
-  if (tile_m == 64) return launch_forward<Traits<Element, kHeadDim, 1, kBlockN>>(a, overflow, stream);
+  if (tile_m == 128) return launch_forward<Traits<Element, kHeadDim, 2, kBlockN>>(a, kv_tokens, overflow, stream);
+  if (tile_m == 64) return launch_forward<Traits<Element, kHeadDim, 1, kBlockN>>(a, kv_tokens, overflow, stream);
 #endif
   return cudaErrorInvalidValue;
 }
@@ -29,18 +30,19 @@ cudaError_t run_family_n(const AttentionParams* a, int tile_m, const int* overfl
 // Defines bsattn::gpu::fwd::run_<NAME>(params or null, tile_m, block_n, overflow, stream).
 #define BSATTN_FORWARD_FAMILY(NAME, ELEMENT, HEAD_DIM, ...)                                             \
   namespace bsattn::gpu::fwd {                                                                          \
-  cudaError_t run_##NAME(const AttentionParams* a, int tile_m, int block_n, const int* overflow,       \
-                         cudaStream_t s) {                                                              \
-    return dispatch_width<ELEMENT, HEAD_DIM, __VA_ARGS__>(a, tile_m, block_n, overflow, s);            \
+  cudaError_t run_##NAME(const AttentionParams* a, int tile_m, int block_n, std::int64_t kv_tokens,   \
+                         const int* overflow, cudaStream_t s) {                                         \
+    return dispatch_width<ELEMENT, HEAD_DIM, __VA_ARGS__>(a, tile_m, block_n, kv_tokens, overflow, s); \
   }                                                                                                     \
   }
 
 namespace bsattn::gpu::fwd {
 template <class Element, int kHeadDim, int kFirst, int... kRest>
-cudaError_t dispatch_width(const AttentionParams* a, int tile_m, int block_n, const int* overflow, cudaStream_t s) {
-  if (block_n == kFirst) return run_family_n<Element, kHeadDim, kFirst>(a, tile_m, overflow, s);
+cudaError_t dispatch_width(const AttentionParams* a, int tile_m, int block_n, std::int64_t kv_tokens,
+                           const int* overflow, cudaStream_t s) {
+  if (block_n == kFirst) return run_family_n<Element, kHeadDim, kFirst>(a, tile_m, kv_tokens, overflow, s);
   if constexpr (sizeof...(kRest) > 0)
-    return dispatch_width<Element, kHeadDim, kRest...>(a, tile_m, block_n, overflow, s);
+    return dispatch_width<Element, kHeadDim, kRest...>(a, tile_m, block_n, kv_tokens, overflow, s);
   return cudaErrorInvalidValue;
 }
 }  // namespace bsattn::gpu::fwd

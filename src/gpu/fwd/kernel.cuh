@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
 // a == nullptr: only raises the kernel's shared-memory limit (plan time, outside any graph capture).
 template <class T>
-cudaError_t launch_forward(const AttentionParams* a, const int* overflow, cudaStream_t stream) {
+cudaError_t launch_forward(const AttentionParams* a, std::int64_t, const int* overflow, cudaStream_t stream) {
   auto kernel = forward_kernel<T>;
   if (!a) return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   const int items = work_items(*a);

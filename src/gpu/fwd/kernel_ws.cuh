@@ -6,6 +6,9 @@
 // so the two warpgroups drift apart and their softmax phases interleave with the other's GEMMs.
 // Within a consumer, S(i+1) is issued before PV(i), so the softmax of route i+1 overlaps PV(i).
 #pragma once
+#include <cuda.h>
+
+#include <cstdlib>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
@@ -16,6 +19,11 @@
 #include "gpu/fwd/scheduler.cuh"
 #include "gpu/fwd/softmax.cuh"
 #include "gpu/fwd/traits.cuh"
+
+// Ping-pong scheduling of two consumer warpgroups (compile-time; measured slower, so off).
+#ifndef BSATTN_FWD_PINGPONG
+#define BSATTN_FWD_PINGPONG 0
+#endif
 
 namespace bsattn::gpu::fwd {
 
@@ -61,6 +69,29 @@ __device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, cons
   }
 }
 
+// Bulk tensor (TMA) descriptors of K and V as 4-D tensors (D, tokens, heads, batch); `valid`
+// false: the producer falls back to cp.async (per-token addressing).
+struct KVTensorMaps {
+  CUtensorMap k, v;
+  int valid;
+};
+
+__device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1,
+                                            int c2, int c3) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(s),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(m), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+__device__ __forceinline__ void arrive_expect_tx(std::uint64_t* bar, unsigned bytes) {
+  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(m), "r"(bytes) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(s) : "memory");
@@ -68,12 +99,14 @@ __device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
 
 template <class T>
 __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
-    forward_kernel_ws(const __grid_constant__ AttentionParams a, const int* __restrict__ overflow) {
+    forward_kernel_ws(const __grid_constant__ AttentionParams a, const int* __restrict__ overflow,
+                      const __grid_constant__ KVTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using C = WsConfig<T>;
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
+  constexpr bool kUseTma = kBlockN == 128;
   extern __shared__ char smem_raw[];
   auto& sm = *reinterpret_cast<typename C::Smem*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) &
                                                    ~std::uintptr_t(1023));
@@ -96,8 +129,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   if (tid == 0) {
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&bars.full_k[s], C::kProducerThreads);
-      Barrier::init(&bars.full_v[s], C::kProducerThreads);
+      Barrier::init(&bars.full_k[s], kUseTma && maps.valid ? 1 : C::kProducerThreads);
+      Barrier::init(&bars.full_v[s], kUseTma && maps.valid ? 1 : C::kProducerThreads);
       Barrier::init(&bars.empty_k[s], C::kConsumerWarps);
       Barrier::init(&bars.empty_v[s], C::kConsumerWarps);
     }
@@ -108,6 +141,37 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   if (role == 0) {
     // ---------------------------------------------------------------- producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
+    // TMA producer for the 128-wide tiles; the 64-wide kernels keep the cp.async producer
+    // (compiling both into them made ptxas spill heavily in the consumer code).
+    if (kUseTma && maps.valid) {
+      // One thread issues the bulk tensor copies: per route and operand, D/64 boxes of 64 x kBlockN
+      // (128-byte swizzle, the layout the wgmma descriptors read). Tokens past the tensor are
+      // zero-filled; tokens past the sequence but inside the tensor are finite data that the
+      // route mask removes.
+      if (tid == 0) {
+        const int tok0 = p.varlen_kv ? static_cast<int>(si.kv_base) : 0;
+        const int bc = p.varlen_kv ? 0 : b;
+        constexpr unsigned kBytes = kBlockN * kHeadDim * sizeof(Element);
+        for (int i = 0; i < count; ++i) {
+          const int stage = i % kStages;
+          const int phase = (i / kStages) & 1;
+          const int k0 = routes[i].index * p.tile_n;
+          Barrier::wait(&bars.empty_k[stage], phase ^ 1);
+          arrive_expect_tx(&bars.full_k[stage], kBytes);
+          CUTE_UNROLL
+          for (int c = 0; c < kHeadDim / 64; ++c)
+            tma_load_4d(st.k + (stage * kHeadDim + c * 64) * kBlockN, &maps.k, &bars.full_k[stage], c * 64,
+                        tok0 + k0, hkv, bc);
+          Barrier::wait(&bars.empty_v[stage], phase ^ 1);
+          arrive_expect_tx(&bars.full_v[stage], kBytes);
+          CUTE_UNROLL
+          for (int c = 0; c < kHeadDim / 64; ++c)
+            tma_load_4d(st.v + (stage * kHeadDim + c * 64) * kBlockN, &maps.v, &bars.full_v[stage], c * 64,
+                        tok0 + k0, hkv, bc);
+        }
+      }
+      return;
+    }
     const int ptid = tid;
     const Element* kbase = static_cast<const Element*>(a.k) +
                            a.kv_offset(b, si, 0, hkv, a.k_batch_stride, a.k_token_stride, a.k_head_stride);
@@ -178,7 +242,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   Tensor tOrP = make_tensor<Element>(acc_as_a_operand(tSrS.layout()));
   Tensor s_as_a = make_tensor(tSrS.data(), acc_as_a_operand(tSrS.layout()));
   constexpr int kRows = decltype(size<0>(s_rc))::value;
-  constexpr bool kPingPong = T::kWarpgroups == 2;
+  constexpr bool kPingPong = T::kWarpgroups == 2 && BSATTN_FWD_PINGPONG;
   constexpr int kSchedBarrier0 = 3;  // named barriers 3, 4 (0: __syncthreads, 1-2: Q tiles)
   OnlineSoftmax<kRows> softmax(a.scale);
   const bool warp_leader = (tid % 32) == 0;
@@ -263,15 +327,58 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
 #endif
 }
 
+// Encodes the K and V tensor maps for this run (host only: no stream work, capturable).
+// Returns false where TMA cannot address the tensors (paged KV, strides or bases not 16-byte
+// aligned, no driver entry point); the kernel then loads with cp.async.
+template <class T>
+bool encode_kv_maps(const AttentionParams& a, std::int64_t kv_tokens, KVTensorMaps& maps) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = []() -> Encode {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (!encode || a.route.paged) return false;
+  const std::int64_t e = sizeof(typename T::Element);
+  const auto one = [&](const void* base, std::int64_t bs, std::int64_t ts, std::int64_t hs, CUtensorMap& map) {
+    const bool varlen = a.route.varlen_kv;
+    cuuint64_t dims[4] = {static_cast<cuuint64_t>(T::kHeadDim),
+                          static_cast<cuuint64_t>(kv_tokens),
+                          static_cast<cuuint64_t>(a.route.heads_kv),
+                          static_cast<cuuint64_t>(varlen ? 1 : a.route.batch)};
+    cuuint64_t strides[3] = {static_cast<cuuint64_t>(ts * e), static_cast<cuuint64_t>(hs * e),
+                             static_cast<cuuint64_t>((varlen ? ts * kv_tokens : bs) * e)};
+    if (reinterpret_cast<std::uintptr_t>(base) % 16 || strides[0] % 16 || strides[1] % 16 || strides[2] % 16 ||
+        strides[2] == 0 || dims[1] == 0 || dims[1] > (std::uint64_t(1) << 31))
+      return false;
+    cuuint32_t box[4] = {64, static_cast<cuuint32_t>(T::kBlockN), 1, 1};
+    cuuint32_t estr[4] = {1, 1, 1, 1};
+    return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box, estr,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  return one(a.k, a.k_batch_stride, a.k_token_stride, a.k_head_stride, maps.k) &&
+         one(a.v, a.v_batch_stride, a.v_token_stride, a.v_head_stride, maps.v);
+}
+
 // a == nullptr: only raises the kernel's shared-memory limit (plan time, outside any graph capture).
 template <class T>
-cudaError_t launch_forward_ws(const AttentionParams* a, const int* overflow, cudaStream_t stream) {
+cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, const int* overflow,
+                              cudaStream_t stream) {
   using C = WsConfig<T>;
   auto kernel = forward_kernel_ws<T>;
   if (!a) return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   const int items = work_items(*a);
   if (items == 0) return cudaSuccess;
-  kernel<<<items, C::kThreads, C::kSmemBytes, stream>>>(*a, overflow);
+  KVTensorMaps maps{};
+  static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
+  maps.valid = T::kBlockN == 128 && !no_tma && encode_kv_maps<T>(*a, kv_tokens, maps) ? 1 : 0;
+  kernel<<<items, C::kThreads, C::kSmemBytes, stream>>>(*a, overflow, maps);
   return cudaGetLastError();
 }
 

@@ -21,8 +21,11 @@ struct Traits {
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<_64, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                              Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V^T atoms are ordered along N first: each 64-wide D slice is one contiguous
+  // kBlockN x 128-byte block, which is what one bulk tensor copy box (64 x kBlockN) writes.
   using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                              Step<_2, _1, _3>{}));
 
   using MmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>()));
