@@ -288,7 +288,10 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   a.route_counts = ws.counts;
   cuda_check(gpu::prepare_routes(a, ws.routes, ws.counts, ws.overflow, s), "prepare_routes");
   if (problem.validate) check_gpu(stream);
-  cuda_check(gpu::run_forward(a, ws.overflow, s), "forward kernel launch");
+  // Token extent of K/V (the bound of the kernel's bulk tensor copies).
+  const int tdim = p.varlen_kv ? 0 : 1;
+  const std::int64_t kv_tokens = std::min(inputs.k.shape[tdim], inputs.v.shape[tdim]);
+  cuda_check(gpu::run_forward(a, kv_tokens, ws.overflow, s), "forward kernel launch");
 }
 
 void Plan::Impl::check_gpu(Stream stream) {
