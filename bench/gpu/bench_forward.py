@@ -95,6 +95,10 @@ def random_pattern(S, bq, bk, hs, density, seed):
 
 def flex_runner(S, D, bq, bk, kind, cnt, idx, window):
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+    import torch._dynamo
+    # One compile per shape / block size / mask: more than dynamo's default limit of 8 here.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.cache_size_limit = 64
     fa = torch.compile(flex_attention, dynamic=False)
     if kind == "random":
         g = HQ // cnt.shape[1]
