@@ -1,7 +1,7 @@
 // SPEC §3 and §5: every input format is prepared into one route stream, so the same selection
-// written as block lists, varlen block lists, BSR or a bitmask gives bitwise identical outputs;
-// bitmask bits at or beyond nKB change nothing; and a partial block that the mask keeps whole
-// gives the same result when it is passed as a full block. Also the varlen offset helper.
+// written as block lists, varlen block lists, BSR or a bitmask gives bitwise identical outputs.
+// Bitmask bits at or beyond nKB change nothing, nor does the thread count; a partial block the
+// mask keeps whole gives the same bits as a full block. Also the varlen offset helper.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -47,6 +47,13 @@ TEST_P(FormatEquivalenceTest, EveryFormatGivesTheSameBits) {
       ASSERT_TRUE(error.empty()) << c->describe() << "\n" << error;
       EXPECT_TRUE(bytes == reference) << c->describe() << (padding_bits ? " (with padding bits)" : "");
     }
+  // Work items are independent: the thread count changes no bit either.
+  c->problem.num_threads = 1;
+  c->encode(Format::block_lists);
+  std::vector<std::uint8_t> bytes;
+  const std::string error = run_bytes(*c, bytes);
+  ASSERT_TRUE(error.empty()) << c->describe() << "\n" << error;
+  EXPECT_TRUE(bytes == reference) << c->describe() << " (one thread)";
 }
 INSTANTIATE_TEST_SUITE_P(Random, FormatEquivalenceTest, ::testing::Range(0, kCases));
 
