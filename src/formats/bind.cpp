@@ -28,12 +28,12 @@ route::BlockSetParams bind_set(const BlockSet& set, Format format) {
   if (format == Format::block_lists) {
     for (int i = 0; i < 3; ++i) s.count_stride[i] = set.counts.stride[i];
     for (int i = 0; i < 4; ++i) s.index_stride[i] = set.indices.stride[i];
+    s.list_length = static_cast<int>(set.indices.shape[3]);
   } else if (format == Format::varlen_block_lists) {
     for (int i = 0; i < 2; ++i) s.count_stride[i] = set.counts.stride[i];
     for (int i = 0; i < 2; ++i) s.index_stride[i] = set.indices.stride[i];
   } else if (format == Format::bitmask) {
     for (int i = 0; i < set.bits.rank; ++i) s.bits_stride[i] = set.bits.stride[i];
-    s.words = static_cast<int>(set.bits.shape[set.bits.rank - 1]);
   }
   return s;
 }

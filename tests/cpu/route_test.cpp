@@ -57,6 +57,7 @@ struct Lists {
     set.index_stride[1] = rows * width;
     set.index_stride[2] = width;
     set.index_stride[3] = 1;
+    set.list_length = width;
   }
 };
 
@@ -221,13 +222,22 @@ TEST(RouteTest, VarlenListCountBeyondTheRowIsClamped) {
   expect_routes(prepare(p, 1), {{2, 1, 0}});
 }
 
+TEST(RouteTest, BlockListCountBeyondLIsClamped) {
+  // Two Q blocks with L = 1: row qb=0 claims 3 entries; reading on would reach qb=1's entry 2.
+  RouteParams p = geometry(32, 48, 16, 16, 16, 16);
+  Lists lists({{0}, {2}}, 1);
+  lists.counts[0] = 3;
+  lists.bind(p, p.partial);
+  expect_routes(prepare(p, 0), {{0, 1, 0}});
+  expect_routes(prepare(p, 1), {{2, 1, 0}});
+}
+
 TEST(RouteTest, BitmaskBitsAtOrBeyondTheSequenceAreIgnored) {
   RouteParams p = geometry(16, 40, 16, 16, 16, 16);  // nKB = 3
   p.format = SetFormat::bitmask;
   const std::vector<std::uint32_t> words{0xfffffff9u, 0xffffffffu};  // bits 0, 3.. and the second word
   p.partial.bits = words.data();
   p.partial.bits_stride[3] = 1;
-  p.partial.words = 2;
   expect_routes(prepare(p, 0), {{0, 1, 0}});
 }
 

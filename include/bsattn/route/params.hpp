@@ -23,7 +23,7 @@ struct BlockSetParams {
   std::int64_t count_stride[3] = {0, 0, 0};
   std::int64_t index_stride[4] = {0, 0, 0, 0};
   std::int64_t bits_stride[4] = {0, 0, 0, 0};
-  int words = 0;  // bitmask W
+  int list_length = 0;  // block lists: L, the row length (a count above it is clamped); 0 elsewhere
   bool present() const { return counts || indptr || bits; }
 };
 

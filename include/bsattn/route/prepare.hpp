@@ -67,6 +67,7 @@ class BlockCursor {
     // first nKB; reading no further keeps a bad count inside the row's nKB slots (varlen lists).
     if (c.count_ < 0) c.count_ = 0;
     if (c.count_ > s.kv_blocks) c.count_ = s.kv_blocks;
+    if (set.list_length > 0 && c.count_ > set.list_length) c.count_ = set.list_length;
     c.advance();
     return c;
   }
