@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       m.q_begin = q_begin;
       m.tile_row0 = wg * 64;
       m.unit_m = p.unit_m;
-      m.apply(s_rc, c_rc, a, si, b);
+      m.template apply<kBlockN == 128>(s_rc, c_rc, a, si, b);
     }
     softmax.step(s_rc, rescale);
   };

@@ -20,11 +20,13 @@ struct RouteMask {
   int unit_m;
 
   // s: scores (rowcol view); c: their (row, col) coordinates in the 64 x N tile (same view).
-  template <class TS, class TC>
+  // kPositional: take the positional fast path when the problem has no per-token mask tensors
+  // (the 64-wide kernels leave it out: with it, ptxas spilled heavily in their consumer code).
+  template <bool kPositional, class TS, class TC>
   __device__ __forceinline__ void apply(TS& s, const TC& c, const AttentionParams& a, const route::SeqInfo& si,
                                         int b) const {
     const route::RouteParams& p = a.route;
-    if (!p.doc_q && !p.kv_valid) {
+    if (kPositional && !p.doc_q && !p.kv_valid) {
       apply_positional(s, c, p, si);
       return;
     }
