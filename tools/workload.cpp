@@ -135,16 +135,6 @@ WorkloadSpec WorkloadSpec::dense() const {
   return d;
 }
 
-static const char* format_name(Format f) {
-  switch (f) {
-    case Format::all_blocks: return "all_blocks";
-    case Format::block_lists: return "block_lists";
-    case Format::varlen_block_lists: return "varlen_block_lists";
-    case Format::bsr: return "bsr";
-    case Format::bitmask: return "bitmask";
-  }
-  return "?";
-}
 
 std::string WorkloadSpec::describe() const {
   std::ostringstream o;
@@ -152,7 +142,7 @@ std::string WorkloadSpec::describe() const {
   if (q_layout == QLayout::varlen) o << " varlen max_Sq=" << max_seqlen_q() << " max_Skv=" << max_seqlen_kv();
   else o << " Sq=" << max_seqlen_q() << " Skv=" << max_seqlen_kv();
   if (kv_layout == KVLayout::paged) o << " paged(page " << page_size << ")";
-  o << " " << to_string(dtype) << " block " << block.q << "x" << block.kv << " " << format_name(format);
+  o << " " << to_string(dtype) << " block " << block.q << "x" << block.kv << " " << to_string(format);
   if (sparsity_heads != 1) o << " Hs=" << sparsity_heads;
   if (mask.causal) o << " causal";
   if (mask.window_left >= 0 || mask.window_right >= 0) o << " window(" << mask.window_left << "," << mask.window_right << ")";

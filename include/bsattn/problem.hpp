@@ -37,6 +37,9 @@ enum class Proxy : std::uint8_t {
   explicit_set,  // the `proxy` block set names the blocks that contribute (selected ones are skipped)
 };
 
+const char* to_string(Format format);  // "block_lists", ...
+const char* to_string(Proxy proxy);    // "off", "eligible", "explicit_set"
+
 struct BlockSize {
   int q = 128;   // Bq: 16, 32 or a multiple of 64
   int kv = 128;  // Bk: a multiple of 16

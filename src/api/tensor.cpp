@@ -1,3 +1,4 @@
+#include "bsattn/problem.hpp"
 #include "bsattn/tensor.hpp"
 
 namespace bsattn {
@@ -14,6 +15,26 @@ const char* to_string(DType dtype) {
 }
 
 const char* to_string(Device device) { return device == Device::cpu ? "cpu" : "cuda"; }
+
+const char* to_string(Format format) {
+  switch (format) {
+    case Format::all_blocks: return "all_blocks";
+    case Format::block_lists: return "block_lists";
+    case Format::varlen_block_lists: return "varlen_block_lists";
+    case Format::bsr: return "bsr";
+    case Format::bitmask: return "bitmask";
+  }
+  return "?";
+}
+
+const char* to_string(Proxy proxy) {
+  switch (proxy) {
+    case Proxy::off: return "off";
+    case Proxy::eligible: return "eligible";
+    case Proxy::explicit_set: return "explicit_set";
+  }
+  return "?";
+}
 
 std::size_t element_size(DType dtype) {
   return (dtype == DType::f16 || dtype == DType::bf16) ? 2 : 4;

@@ -48,25 +48,7 @@ bool has_varlen_rows(const Problem& pb) {
          (is_varlen(pb) && (pb.format == Format::bsr || pb.format == Format::bitmask));
 }
 
-const char* format_name(Format f) {
-  switch (f) {
-    case Format::all_blocks: return "all_blocks";
-    case Format::block_lists: return "block_lists";
-    case Format::varlen_block_lists: return "varlen_block_lists";
-    case Format::bsr: return "bsr";
-    case Format::bitmask: return "bitmask";
-  }
-  return "?";
-}
 
-const char* proxy_name(Proxy p) {
-  switch (p) {
-    case Proxy::off: return "off";
-    case Proxy::eligible: return "eligible";
-    case Proxy::explicit_set: return "explicit_set";
-  }
-  return "?";
-}
 
 // ---- Plan time -----------------------------------------------------------------------------
 
@@ -154,7 +136,7 @@ void check_features(const Problem& pb) {
     return "format all_blocks computes every block exactly, so nothing is left for proxies; use a format with sets";
   });
   expect(!sets || pb.has_partial || pb.has_full, "problem.has_partial", [&] {
-    return std::string("format ") + format_name(pb.format) + " with neither a partial nor a full set selects nothing";
+    return std::string("format ") + to_string(pb.format) + " with neither a partial nor a full set selects nothing";
   });
   expect(pb.format != Format::varlen_block_lists || is_varlen(pb), "problem.format", [&] {
     return "varlen_block_lists needs q_layout varlen (its offsets come from cu_seqlens_q); use block_lists for batched "
@@ -169,7 +151,7 @@ void check_features(const Problem& pb) {
   expect(bs == 1 || bs == pb.batch, "problem.sparsity_batch",
          [&] { return "= " + str(bs) + ", expected 1 (broadcast) or batch = " + str(pb.batch); });
   expect(bs == 1 || !has_varlen_rows(pb), "problem.sparsity_batch", [&] {
-    return "= " + str(bs) + ", but format " + format_name(pb.format) +
+    return "= " + str(bs) + ", but format " + to_string(pb.format) +
            " with varlen Q enumerates rows per sequence; expected 1";
   });
 }
@@ -383,10 +365,10 @@ class InputChecker {
   }
 
   std::string summary() const {
-    return std::string("format ") + format_name(pb_.format) + ", q_layout " + (is_varlen(pb_) ? "varlen" : "batched") +
+    return std::string("format ") + to_string(pb_.format) + ", q_layout " + (is_varlen(pb_) ? "varlen" : "batched") +
            ", kv_layout " + (is_paged(pb_) ? "paged" : "contiguous") + ", has_partial " +
            (pb_.has_partial ? "true" : "false") + ", has_full " + (pb_.has_full ? "true" : "false") + ", proxy " +
-           proxy_name(pb_.proxy) + ", document_ids " + (pb_.mask.document_ids ? "true" : "false") + ", kv_valid_bits " +
+           to_string(pb_.proxy) + ", document_ids " + (pb_.mask.document_ids ? "true" : "false") + ", kv_valid_bits " +
            (pb_.mask.kv_valid_bits ? "true" : "false");
   }
 

@@ -175,16 +175,6 @@ struct CaseSpec {
   std::uint64_t seed = 1;
 };
 
-inline const char* format_name(Format f) {
-  switch (f) {
-    case Format::all_blocks: return "all_blocks";
-    case Format::block_lists: return "block_lists";
-    case Format::varlen_block_lists: return "varlen_block_lists";
-    case Format::bsr: return "bsr";
-    case Format::bitmask: return "bitmask";
-  }
-  return "?";
-}
 
 inline std::uint16_t to_bits(float x, DType dt) {
   return dt == DType::bf16 ? cpu::float_to_bf16(x) : cpu::float_to_half(x);
@@ -443,7 +433,7 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
   if (p.has_full) emit_set(c->full_rows, c->in_host.full, c->in_device.full);
   for (auto& b : c->buffers) b->upload();
   c->bind_views();
-  c->name = std::string(format_name(spec.format)) + (varlen ? " varlen" : " batched") +
+  c->name = std::string(to_string(spec.format)) + (varlen ? " varlen" : " batched") +
             (p.dtype == DType::bf16 ? " bf16" : " f16") + " D=" + std::to_string(D) + " block=(" +
             std::to_string(spec.bq) + "," + std::to_string(spec.bk) + ") Hq=" + std::to_string(p.heads_q) +
             " Hkv=" + std::to_string(p.heads_kv) + " Hs=" + std::to_string(p.sparsity_heads) +
