@@ -196,8 +196,14 @@ void attend_item(const AttentionParams& a, int row, int h, float* scratch, const
           for (int j = 0; j < nk; ++j) score[j] += qi * kti[j];
         }
         if ((rt.masked >> unit) & 1u) {
+          // Positional terms as two intervals (cheap, vectorisable); per-token terms only when present.
+          const route::PositionalBounds bounds = route::positional_bounds(p, s, q0 + r);
           for (int j = 0; j < nk; ++j)
-            if (!route::token_visible(p, s, rc.b, q0 + r, k0 + j) || !mask(rc.b, h, q0 + r, k0 + j)) score[j] = neg_inf;
+            if (!bounds.visible(k0 + j)) score[j] = neg_inf;
+          if (TokenMask::kActive || p.doc_q || p.kv_valid)
+            for (int j = 0; j < nk; ++j)
+              if (!route::token_tensors_visible(p, s, rc.b, q0 + r, k0 + j) || !mask(rc.b, h, q0 + r, k0 + j))
+                score[j] = neg_inf;
         }
         float mx = neg_inf;
         for (int j = 0; j < nk; ++j) mx = std::max(mx, score[j]);

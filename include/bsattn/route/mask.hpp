@@ -9,18 +9,40 @@ namespace bsattn::route {
 
 enum class Visibility : std::uint8_t { empty, partial, full };
 
-// Sequence-local indices; q < seqlen_q and kv < seqlen_kv are the caller's business.
-BSATTN_HD bool token_visible(const RouteParams& p, const SeqInfo& s, int b, int q, int kv) {
-  const int diag = q + s.diag_offset;
-  if (p.causal && kv > diag) return false;
-  const bool in_window = (p.window_left < 0 || kv >= diag - p.window_left) &&
-                         (p.window_right < 0 || kv <= diag + p.window_right);
-  if (!in_window && kv >= p.sink_tokens) return false;
+// The causal / window / sink part of the mask for one query row q: kv is visible iff
+// window_lo <= kv <= window_hi or kv < sink_end (at most two intervals), that is
+// causal_ok && (in_window || kv < sink_tokens).
+struct PositionalBounds {
+  int window_lo, window_hi, sink_end;
+  BSATTN_HD bool visible(int kv) const { return (kv >= window_lo && kv <= window_hi) || kv < sink_end; }
+};
+
+BSATTN_HD PositionalBounds positional_bounds(const RouteParams& p, const SeqInfo& s, int q) {
+  const long long unbounded = 0x3fffffff, diag = static_cast<long long>(q) + s.diag_offset;
+  long long lo = p.window_left < 0 ? -unbounded : diag - p.window_left;
+  long long hi = p.window_right < 0 ? unbounded : diag + p.window_right;
+  long long sink_end = p.sink_tokens;
+  if (p.causal) {
+    hi = hi < diag ? hi : diag;
+    sink_end = sink_end < diag + 1 ? sink_end : diag + 1;
+  }
+  const auto clamp = [=](long long v) { return static_cast<int>(v < -unbounded ? -unbounded : (v > unbounded ? unbounded : v)); };
+  return PositionalBounds{clamp(lo), clamp(hi), clamp(sink_end)};
+}
+
+// The per-token tensors of the mask: document ids and KV validity bits.
+BSATTN_HD bool token_tensors_visible(const RouteParams& p, const SeqInfo& s, int b, int q, int kv) {
   if (p.doc_q && p.doc_q[p.varlen_q ? s.q_base + q : b * p.doc_q_batch_stride + q] !=
                      p.doc_kv[(p.varlen_kv ? s.kv_base : b * p.doc_kv_batch_stride) + kv])
     return false;
   if (p.kv_valid && !((p.kv_valid[b * p.kv_valid_batch_stride + kv / 32] >> (kv % 32)) & 1u)) return false;
   return true;
+}
+
+// The whole built-in mask. Sequence-local indices; q < seqlen_q and kv < seqlen_kv are the
+// caller's business.
+BSATTN_HD bool token_visible(const RouteParams& p, const SeqInfo& s, int b, int q, int kv) {
+  return positional_bounds(p, s, q).visible(kv) && token_tensors_visible(p, s, b, q, kv);
 }
 
 namespace detail {
