@@ -8,6 +8,8 @@
 #include <random>
 #include <sstream>
 
+#include <unistd.h>
+
 #include "bsattn/cpu/numeric.hpp"
 #include "bsattn/summary.hpp"
 
@@ -240,6 +242,23 @@ void Workload::State::check_spec() {
     require(s.seqlens_q == s.seqlens_kv, "documents need equal Q and KV lengths");
     for (int len : s.mask.document_lengths) require(len >= 1, "document lengths must be >= 1");
   }
+  // Refuse what this machine cannot hold rather than dying in an allocation: Q, K, V, O and the
+  // block lists (partial and full, [B, Hs, nQB, nKB] int32) dominate.
+  double tokens_q = 0, tokens_kv = 0;
+  for (int b = 0; b < s.batch; ++b) {
+    tokens_q += s.seqlens_q[b];
+    tokens_kv += s.seqlens_kv[b];
+  }
+  const double blocks = static_cast<double>(s.batch) * s.sparsity_heads * ceil_div(s.max_seqlen_q(), s.block.q) *
+                        ceil_div(s.max_seqlen_kv(), s.block.kv);
+  const double gib = static_cast<double>(1 << 30);
+  const double need = (static_cast<double>(element_size(s.dtype)) * 2.0 *
+                           (tokens_q * s.heads_q + tokens_kv * s.heads_kv) * s.head_dim +
+                       8.0 * blocks) / gib;
+  const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE)) / gib;
+  require(need < 0.75 * have, "the problem needs about " + std::to_string(static_cast<long long>(need + 0.5)) +
+                                  " GiB of host memory for its tensors; this machine has " +
+                                  std::to_string(static_cast<long long>(have)) + " GiB");
 }
 
 void Workload::State::lay_out_sequences() {
