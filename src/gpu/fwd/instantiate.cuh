@@ -1,27 +1,15 @@
 // One (dtype, head dim) family of forward kernels: tile_m 64 or 128 (one or two consumer
 // warpgroups) by the compiled KV tile widths. Each family is one translation unit.
 #pragma once
-#include "gpu/fwd/kernel.cuh"
 #include "gpu/fwd/kernel_ws.cuh"
-
-// 1 (default): the warp-specialised kernel (producer warpgroup + consumer warpgroups);
-// 0: the simpler kernel where every warpgroup loads and computes (kernel.cuh).
-#ifndef BSATTN_FWD_WARP_SPECIALIZED
-#define BSATTN_FWD_WARP_SPECIALIZED 1
-#endif
 
 namespace bsattn::gpu::fwd {
 
 template <class Element, int kHeadDim, int kBlockN>
 cudaError_t run_family_n(const AttentionParams* a, int tile_m, std::int64_t kv_tokens, const int* overflow,
                          cudaStream_t stream) {
-#if BSATTN_FWD_WARP_SPECIALIZED
   if (tile_m == 128) return launch_forward_ws<Traits<Element, kHeadDim, 2, kBlockN>>(a, kv_tokens, overflow, stream);
   if (tile_m == 64) return launch_forward_ws<Traits<Element, kHeadDim, 1, kBlockN>>(a, kv_tokens, overflow, stream);
-#else
-  if (tile_m == 128) return launch_forward<Traits<Element, kHeadDim, 2, kBlockN>>(a, kv_tokens, overflow, stream);
-  if (tile_m == 64) return launch_forward<Traits<Element, kHeadDim, 1, kBlockN>>(a, kv_tokens, overflow, stream);
-#endif
   return cudaErrorInvalidValue;
 }
 
