@@ -132,7 +132,6 @@ struct Plan::Impl {
   void run(const Inputs& inputs, const Outputs& outputs, Plan::CpuEngine engine, const void* context);
   void run_gpu(const Inputs& inputs, const Outputs& outputs, Stream stream);
   void check_gpu(Stream stream);
-  void derive_varlen_block_offsets(AttentionParams& a);
 };
 
 Plan::Plan() = default;
@@ -223,21 +222,22 @@ void Plan::plan(const Problem& problem) {
 }
 
 // Varlen formats index through cu_total_m_blocks / cu_block_idx_offsets; when the caller gives
-// none, they follow from the sequence lengths.
-void Plan::Impl::derive_varlen_block_offsets(AttentionParams& a) {
-  route::RouteParams& p = a.route;
+// none, `derive(params, m, o)` fills the plan's storage m, o from the sequence lengths.
+template <class Derive>
+static void attach_varlen_block_offsets(route::RouteParams& p, std::int32_t* m, std::int32_t* o, const Derive& derive) {
   if (!p.varlen_q || p.format == route::SetFormat::all_blocks || p.format == route::SetFormat::block_lists) return;
   if (p.cu_total_m_blocks && p.cu_block_idx_offsets) return;
-  route::varlen_block_offsets(p, cu_total_m_blocks.data(), cu_block_idx_offsets.data());
-  if (!p.cu_total_m_blocks) p.cu_total_m_blocks = cu_total_m_blocks.data();
-  if (!p.cu_block_idx_offsets) p.cu_block_idx_offsets = cu_block_idx_offsets.data();
+  derive(p, m, o);
+  if (!p.cu_total_m_blocks) p.cu_total_m_blocks = m;
+  if (!p.cu_block_idx_offsets) p.cu_block_idx_offsets = o;
 }
 
 void Plan::Impl::run(const Inputs& inputs, const Outputs& outputs, Plan::CpuEngine engine, const void* context) {
   formats::validate_structure(problem, inputs, outputs);
   if (problem.validate) formats::validate_values(problem, tiles, inputs);
   AttentionParams a = formats::bind(problem, tiles, capacity, inputs, outputs);
-  derive_varlen_block_offsets(a);
+  attach_varlen_block_offsets(a.route, cu_total_m_blocks.data(), cu_block_idx_offsets.data(),
+                              route::varlen_block_offsets);
   cpu::Workspace ws;
   ws.routes = routes.data();
   ws.counts = counts.data();
@@ -257,33 +257,15 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   formats::validate_structure(problem, inputs, outputs);
   if (problem.validate) formats::validate_values(problem, tiles, inputs);
   AttentionParams a = formats::bind(problem, tiles, capacity, inputs, outputs);
-  for (const std::int64_t stride : {a.q_token_stride, a.q_head_stride, a.q_batch_stride, a.k_token_stride,
-                                    a.k_head_stride, a.k_batch_stride, a.v_token_stride, a.v_head_stride,
-                                    a.v_batch_stride})
-    if (stride % 8 != 0)
-      throw Error("q/k/v", "GPU kernels need strides that are multiples of 8 elements (16 bytes), got " +
-                               std::to_string(stride));
-  for (const void* ptr : {a.q, a.k, a.v})
-    if (reinterpret_cast<std::uintptr_t>(ptr) % 16 != 0) throw Error("q/k/v", "base pointer not 16-byte aligned");
-  if (a.out_type != ElementType::f32 && (a.out_token_stride % 2 || a.out_head_stride % 2 || a.out_batch_stride % 2 ||
-                                         reinterpret_cast<std::uintptr_t>(a.out) % 4))
-    throw Error("out", "GPU kernels store element pairs: strides must be even, base 4-byte aligned");
-  if (a.out_type == ElementType::f32 && (a.out_token_stride % 2 || a.out_head_stride % 2 || a.out_batch_stride % 2 ||
-                                         reinterpret_cast<std::uintptr_t>(a.out) % 8))
-    throw Error("out", "GPU kernels store element pairs: strides must be even, base 8-byte aligned");
-
   DeviceGuard guard(problem.device_index);
   const auto s = static_cast<cudaStream_t>(stream);
   DeviceWorkspace& ws = *device;
   route::RouteParams& p = a.route;
   cuda_check(cudaMemsetAsync(ws.overflow, 0, 2 * sizeof(std::int32_t), s), "cudaMemsetAsync");
-  if (p.varlen_q && p.format != route::SetFormat::all_blocks && p.format != route::SetFormat::block_lists &&
-      !(p.cu_total_m_blocks && p.cu_block_idx_offsets)) {
-    cuda_check(gpu::derive_varlen_block_offsets(p, ws.cu_total_m_blocks, ws.cu_block_idx_offsets, s),
-               "derive_varlen_block_offsets");
-    if (!p.cu_total_m_blocks) p.cu_total_m_blocks = ws.cu_total_m_blocks;
-    if (!p.cu_block_idx_offsets) p.cu_block_idx_offsets = ws.cu_block_idx_offsets;
-  }
+  attach_varlen_block_offsets(p, ws.cu_total_m_blocks, ws.cu_block_idx_offsets,
+                              [s](const route::RouteParams& q, std::int32_t* m, std::int32_t* o) {
+                                cuda_check(gpu::derive_varlen_block_offsets(q, m, o, s), "derive_varlen_block_offsets");
+                              });
   a.routes = ws.routes;
   a.route_counts = ws.counts;
   cuda_check(gpu::prepare_routes(a, ws.routes, ws.counts, ws.overflow, s), "prepare_routes");
