@@ -7,9 +7,11 @@
 
 namespace bsattn {
 
-// Reads inputs.k / inputs.v and the KV length metadata of `problem`'s layout (cu_seqlens_k and
-// seqused_k, or block_table and seq_lens_kv); writes k_summary and v_summary, each
-// [B, ceil(max_seqlen_kv / Bk), Hkv, D] in problem.dtype. CPU tensors only in this build.
+// Reads inputs.k / inputs.v and the sequence-length metadata of `problem`'s layout
+// (cu_seqlens_q and cu_seqlens_k / seqused_k when varlen; block_table and seq_lens_kv when
+// paged), checked like attention()'s (values when problem.validate); writes k_summary and
+// v_summary, each [B, ceil(max_seqlen_kv / Bk), Hkv, D] in problem.dtype. CPU tensors only in
+// this build.
 void build_summaries(const Problem& problem, const Inputs& inputs, const TensorView& k_summary,
                      const TensorView& v_summary);
 

@@ -10,30 +10,14 @@
 #include "formats/validate.hpp"
 
 namespace bsattn {
-namespace {
-
-void expect_summary(const char* name, const TensorView& t, const Problem& p, int kv_blocks) {
-  const std::int64_t want[4] = {p.batch, kv_blocks, p.heads_kv, p.head_dim};
-  bool ok = t.defined() && t.rank == 4 && t.stride[3] == 1;
-  for (int i = 0; ok && i < 4; ++i) ok = t.shape[i] == want[i];
-  if (!ok)
-    throw Error(name, "expected a [" + std::to_string(want[0]) + ", " + std::to_string(want[1]) + ", " +
-                          std::to_string(want[2]) + ", " + std::to_string(want[3]) +
-                          "] tensor with a contiguous last dimension, got " + t.shape_string());
-  if (t.dtype != p.dtype) throw Error(name, std::string("dtype ") + to_string(t.dtype) + ", expected " + to_string(p.dtype));
-  if (t.device != Device::cpu) throw Error(name, "must be a CPU tensor in this build");
-}
-
-}  // namespace
 
 void build_summaries(const Problem& problem, const Inputs& inputs, const TensorView& k_summary,
                      const TensorView& v_summary) {
   if (problem.device != Device::cpu) throw Error("problem.device", "build_summaries runs on the CPU in this build");
   const TileShape tiles = choose_tiles(problem);
   formats::validate_problem(problem, tiles);
+  formats::validate_summary_build(problem, tiles, inputs, k_summary, v_summary);
   const int kv_blocks = route::ceil_div(problem.max_seqlen_kv, problem.block.kv);
-  expect_summary("k_summary", k_summary, problem, kv_blocks);
-  expect_summary("v_summary", v_summary, problem, kv_blocks);
 
   // Bind with the summaries as the only "output": the KV addressing is the engines' own.
   Problem kv_only = problem;

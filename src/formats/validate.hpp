@@ -17,4 +17,9 @@ void validate_structure(const Problem& problem, const Inputs& inputs, const Outp
 // copies of the metadata tensors.
 void validate_values(const Problem& problem, const TileShape& tiles, const Inputs& inputs);
 
+// build_summaries(): K, V and their sequence-length metadata (structure; values when
+// problem.validate) and the two summary outputs (shape, dtype, alignment, no overlap).
+void validate_summary_build(const Problem& problem, const TileShape& tiles, const Inputs& inputs,
+                            const TensorView& k_summary, const TensorView& v_summary);
+
 }  // namespace bsattn::formats

@@ -201,5 +201,40 @@ TEST_P(SummaryBuilderTest, MatchesFloat64) {
 }
 INSTANTIATE_TEST_SUITE_P(Random, SummaryBuilderTest, ::testing::Range(0, 40));
 
+// Malformed summaries or K/V metadata: a named error, and the summaries keep their poison.
+TEST(SummaryBuilder, RejectsMalformedInputsWithoutWriting) {
+  CaseOptions options;
+  options.proxy = Proxy::eligible;
+  options.format = Format::bitmask;
+  const auto c = make_random_case(7100000, options);
+  const bsattn::Problem& p = c->problem;
+  const int nkb_max = (p.max_seqlen_kv + p.block.kv - 1) / p.block.kv;
+  const std::int64_t n = static_cast<std::int64_t>(p.batch) * nkb_max * p.heads_kv * p.head_dim;
+  std::vector<float> k_data(n, std::nanf("")), v_data(n, std::nanf(""));
+  const TensorView ks = TensorView::contiguous(k_data.data(), p.dtype, {p.batch, nkb_max, p.heads_kv, p.head_dim});
+  const TensorView vs = TensorView::contiguous(v_data.data(), p.dtype, {p.batch, nkb_max, p.heads_kv, p.head_dim});
+  const auto expect_rejected = [&](const bsattn::Inputs& in, const TensorView& k_out, const TensorView& v_out,
+                                   const std::string& argument) {
+    try {
+      bsattn::build_summaries(p, in, k_out, v_out);
+      ADD_FAILURE() << "no error for " << argument;
+    } catch (const bsattn::Error& e) {
+      EXPECT_EQ(e.argument(), argument) << e.what();
+    }
+    for (std::int64_t i = 0; i < n; ++i)
+      if (!std::isnan(k_data[i]) || !std::isnan(v_data[i])) {
+        ADD_FAILURE() << argument << ": element " << i << " was written";
+        break;
+      }
+  };
+  TensorView short_vs = vs;
+  short_vs.shape[1] = nkb_max + 1;
+  expect_rejected(c->inputs, ks, short_vs, "v_summary");
+  expect_rejected(c->inputs, ks, ks, "v_summary");  // overlaps k_summary
+  bsattn::Inputs no_k = c->inputs;
+  no_k.k = TensorView();
+  expect_rejected(no_k, ks, vs, "k");
+}
+
 }  // namespace
 }  // namespace bsattn_test
