@@ -564,11 +564,7 @@ Problem Workload::State::problem(Device device, int threads) const {
   p.sparsity_batch = !varlen() && s.format != Format::all_blocks ? s.batch : 1;  // one pattern per sequence
   p.has_partial = has_partial;
   p.has_full = has_full;
-  p.mask.causal = s.mask.causal;
-  p.mask.alignment = s.mask.alignment;
-  p.mask.window_left = s.mask.window_left;
-  p.mask.window_right = s.mask.window_right;
-  p.mask.sink_tokens = s.mask.sink_tokens;
+  p.mask = s.mask;  // the built-in terms
   p.mask.document_ids = !s.mask.document_lengths.empty();
   p.proxy = s.proxy;
   p.scale = s.scale;

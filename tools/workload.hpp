@@ -18,17 +18,12 @@ class SpecError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// The token mask of SPEC §4 as the tools know it (documents are cut from each sequence as
-// consecutive runs of `document_lengths`, cycling through the list).
-struct MaskOptions {
-  bool causal = false;
-  Alignment alignment = Alignment::bottom_right;
-  int window_left = -1;
-  int window_right = -1;
-  int sink_tokens = 0;
+// The token mask of SPEC §4 as the tools know it: the built-in terms, with documents cut from
+// each sequence as consecutive runs of `document_lengths` (cycling through the list).
+struct MaskOptions : MaskSpec {
   std::vector<int> document_lengths;
 
-  bool any() const { return causal || window_left >= 0 || window_right >= 0 || !document_lengths.empty(); }
+  bool any() const { return MaskSpec::any() || !document_lengths.empty(); }
 };
 
 // A block picked by hand: applies to every (batch entry, sparsity head).
