@@ -25,19 +25,11 @@ void varlen_block_offsets(const Problem& problem, const Inputs& inputs, const Te
   if (problem.q_layout != QLayout::varlen) throw Error("problem.q_layout", "varlen_block_offsets needs a varlen problem");
   expect_offsets("cu_total_m_blocks", cu_total_m_blocks, problem);
   expect_offsets("cu_block_idx_offsets", cu_block_idx_offsets, problem);
-  Inputs lengths;  // only the length metadata is bound
-  lengths.cu_seqlens_q = inputs.cu_seqlens_q;
-  lengths.cu_seqlens_k = inputs.cu_seqlens_k;
-  lengths.seqused_k = inputs.seqused_k;
-  lengths.seq_lens_kv = inputs.seq_lens_kv;
-  if (!lengths.cu_seqlens_q.defined()) throw Error("cu_seqlens_q", "required");
-  if (problem.kv_layout == KVLayout::paged ? !lengths.seq_lens_kv.defined() : !lengths.cu_seqlens_k.defined())
-    throw Error(problem.kv_layout == KVLayout::paged ? "seq_lens_kv" : "cu_seqlens_k", "required");
-  route::RouteParams p = formats::route_geometry(problem, choose_tiles(problem), 0);
-  p.cu_seqlens_q = static_cast<const std::int32_t*>(lengths.cu_seqlens_q.data);
-  p.cu_seqlens_k = static_cast<const std::int32_t*>(lengths.cu_seqlens_k.data);
-  p.seqused_k = static_cast<const std::int32_t*>(lengths.seqused_k.data);
-  p.seq_lens_kv = static_cast<const std::int32_t*>(lengths.seq_lens_kv.data);
+  const TileShape tiles = choose_tiles(problem);
+  Problem structure_only = problem;
+  structure_only.validate = false;  // value checks read the metadata on the host; this never syncs
+  formats::validate_lengths(structure_only, tiles, inputs);
+  route::RouteParams p = formats::bind(problem, tiles, 0, inputs, Outputs{}).route;
   auto* m = static_cast<std::int32_t*>(cu_total_m_blocks.data);
   auto* o = static_cast<std::int32_t*>(cu_block_idx_offsets.data);
   if (problem.device == Device::cuda) {

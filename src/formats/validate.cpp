@@ -901,30 +901,39 @@ void validate_structure(const Problem& pb, const Inputs& inputs, const Outputs& 
   check_outputs(pb, outputs, checker.fields());
 }
 
-void validate_summary_build(const Problem& pb, const TileShape& tiles, const Inputs& in, const TensorView& k_summary,
-                            const TensorView& v_summary) {
+namespace {
+void expect_given(const Problem& pb, const char* name, const TensorView& t, const std::vector<Dim>& dims, DType dtype,
+                  Access access) {
+  expect(t.defined(), name, [] { return "is required but not given"; });
+  expect_tensor(pb, name, t, dims, dtype, access);
+}
+}  // namespace
+
+void validate_lengths(const Problem& pb, const TileShape& tiles, const Inputs& in) {
   const Extents e(pb);
-  const auto required = [&](const char* name, const TensorView& t, const std::vector<Dim>& dims, DType dtype,
-                            Access access) {
-    expect(t.defined(), name, [] { return "is required but not given"; });
-    expect_tensor(pb, name, t, dims, dtype, access);
-  };
-  if (is_varlen(pb)) required("cu_seqlens_q", in.cu_seqlens_q, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
+  if (is_varlen(pb))
+    expect_given(pb, "cu_seqlens_q", in.cu_seqlens_q, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
   if (is_paged(pb)) {
-    required("block_table", in.block_table, {exactly("B", e.B), at_least("C", pb.pages_per_seq)}, DType::i32,
-             Access::row_contiguous);
-    required("seq_lens_kv", in.seq_lens_kv, {exactly("B", e.B)}, DType::i32, Access::row_contiguous);
+    expect_given(pb, "block_table", in.block_table, {exactly("B", e.B), at_least("C", pb.pages_per_seq)}, DType::i32,
+                 Access::row_contiguous);
+    expect_given(pb, "seq_lens_kv", in.seq_lens_kv, {exactly("B", e.B)}, DType::i32, Access::row_contiguous);
   } else if (is_varlen_kv(pb)) {
-    required("cu_seqlens_k", in.cu_seqlens_k, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
+    expect_given(pb, "cu_seqlens_k", in.cu_seqlens_k, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
     if (in.seqused_k.defined())
       expect_tensor(pb, "seqused_k", in.seqused_k, {exactly("B", e.B)}, DType::i32, Access::row_contiguous);
   }
+  if (pb.validate) check_lengths(pb, tiles, in, MetadataReader(pb));
+}
+
+void validate_summary_build(const Problem& pb, const TileShape& tiles, const Inputs& in, const TensorView& k_summary,
+                            const TensorView& v_summary) {
+  const Extents e(pb);
   const std::vector<Dim> kv = kv_dims(pb, e);
-  required("k", in.k, kv, pb.dtype, Access::vectors);
-  required("v", in.v, kv, pb.dtype, Access::vectors);
+  expect_given(pb, "k", in.k, kv, pb.dtype, Access::vectors);
+  expect_given(pb, "v", in.v, kv, pb.dtype, Access::vectors);
   const std::vector<Dim> summary = {exactly("B", e.B), exactly("nKB", e.nKB), exactly("Hkv", e.Hkv), exactly("D", e.D)};
-  required("k_summary", k_summary, summary, pb.dtype, Access::vectors);
-  required("v_summary", v_summary, summary, pb.dtype, Access::vectors);
+  expect_given(pb, "k_summary", k_summary, summary, pb.dtype, Access::vectors);
+  expect_given(pb, "v_summary", v_summary, summary, pb.dtype, Access::vectors);
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"k_summary", &k_summary}, {"v_summary", &v_summary}}) {
     expect_no_self_overlap(name, *t);
     for (const TensorView* input : {&in.k, &in.v})
@@ -933,7 +942,7 @@ void validate_summary_build(const Problem& pb, const TileShape& tiles, const Inp
   }
   expect(!overlap(byte_range(k_summary), byte_range(v_summary)), "v_summary",
          [] { return "overlaps k_summary in memory"; });
-  if (pb.validate) check_lengths(pb, tiles, in, MetadataReader(pb));
+  validate_lengths(pb, tiles, in);
 }
 
 void validate_values(const Problem& pb, const TileShape& tiles, const Inputs& inputs) {

@@ -17,6 +17,10 @@ void validate_structure(const Problem& problem, const Inputs& inputs, const Outp
 // copies of the metadata tensors.
 void validate_values(const Problem& problem, const TileShape& tiles, const Inputs& inputs);
 
+// The sequence-length metadata of the problem's layout (cu_seqlens_q/k, seqused_k, or
+// block_table and seq_lens_kv): structure always, values when problem.validate.
+void validate_lengths(const Problem& problem, const TileShape& tiles, const Inputs& inputs);
+
 // build_summaries(): K, V and their sequence-length metadata (structure; values when
 // problem.validate) and the two summary outputs (shape, dtype, alignment, no overlap).
 void validate_summary_build(const Problem& problem, const TileShape& tiles, const Inputs& inputs,
