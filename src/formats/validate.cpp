@@ -914,9 +914,11 @@ void validate_lengths(const Problem& pb, const TileShape& tiles, const Inputs& i
   if (is_varlen(pb))
     expect_given(pb, "cu_seqlens_q", in.cu_seqlens_q, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
   if (is_paged(pb)) {
-    expect_given(pb, "block_table", in.block_table, {exactly("B", e.B), at_least("C", pb.pages_per_seq)}, DType::i32,
-                 Access::row_contiguous);
     expect_given(pb, "seq_lens_kv", in.seq_lens_kv, {exactly("B", e.B)}, DType::i32, Access::row_contiguous);
+    // Value checks follow the page ids of each sequence's live prefix.
+    if (pb.validate)
+      expect_given(pb, "block_table", in.block_table, {exactly("B", e.B), at_least("C", pb.pages_per_seq)},
+                   DType::i32, Access::row_contiguous);
   } else if (is_varlen_kv(pb)) {
     expect_given(pb, "cu_seqlens_k", in.cu_seqlens_k, {exactly("B+1", e.B + 1)}, DType::i32, Access::row_contiguous);
     if (in.seqused_k.defined())
@@ -928,6 +930,9 @@ void validate_lengths(const Problem& pb, const TileShape& tiles, const Inputs& i
 void validate_summary_build(const Problem& pb, const TileShape& tiles, const Inputs& in, const TensorView& k_summary,
                             const TensorView& v_summary) {
   const Extents e(pb);
+  if (is_paged(pb))
+    expect_given(pb, "block_table", in.block_table, {exactly("B", e.B), at_least("C", pb.pages_per_seq)}, DType::i32,
+                 Access::row_contiguous);
   const std::vector<Dim> kv = kv_dims(pb, e);
   expect_given(pb, "k", in.k, kv, pb.dtype, Access::vectors);
   expect_given(pb, "v", in.v, kv, pb.dtype, Access::vectors);

@@ -17,8 +17,9 @@ void validate_structure(const Problem& problem, const Inputs& inputs, const Outp
 // copies of the metadata tensors.
 void validate_values(const Problem& problem, const TileShape& tiles, const Inputs& inputs);
 
-// The sequence-length metadata of the problem's layout (cu_seqlens_q/k, seqused_k, or
-// block_table and seq_lens_kv): structure always, values when problem.validate.
+// The sequence-length metadata of the problem's layout (cu_seqlens_q/k and seqused_k, or
+// seq_lens_kv): structure always; values when problem.validate (then with paged KV also the
+// block_table page ids of each sequence's live prefix).
 void validate_lengths(const Problem& problem, const TileShape& tiles, const Inputs& inputs);
 
 // build_summaries(): K, V and their sequence-length metadata (structure; values when

@@ -284,6 +284,14 @@ def test_varlen_block_offsets():
     assert offsets.tolist() == [0, 4, 4, 4 + 3 * 7]
 
 
+def test_varlen_block_offsets_paged():
+    # Paged KV: the lengths alone decide the offsets; no block table is needed.
+    cu_q = np.array([0, 100, 164], np.int32)
+    m_blocks, offsets = bsattn.varlen_block_offsets(cu_q, (64, 64), seq_lens_kv=np.array([300, 5], np.int32))
+    assert m_blocks.tolist() == [0, 2, 3]
+    assert offsets.tolist() == [0, 2 * 5, 2 * 5 + 1 * 1]
+
+
 # ---- Plans ---------------------------------------------------------------------------------
 
 def test_plan_reuse_with_new_values(rng):
