@@ -6,6 +6,9 @@ peers read. Every configuration is checked against a peer (or a float32 referenc
 timed; times are the median of >= 20 CUDA-event timings after warm-up; inputs are larger than L2.
 
   python3 bench/gpu/bench_forward.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--peers all|core|none]
+
+--compare LIB...: also time other builds of the library (kernel variants) on the same inputs,
+interleaved with the main one in rounds, so that clock and thermal drift hit every variant alike.
 """
 import argparse
 import ctypes
@@ -24,16 +27,24 @@ P.add_argument("--peers", default="all", choices=["all", "core", "none"])
 P.add_argument("--iters", type=int, default=20)
 P.add_argument("--only", default="", help="comma-separated config name prefixes")
 P.add_argument("--out", default="", help="write the result table (markdown) here")
+P.add_argument("--compare", nargs="+", default=[], help="other library builds timed against --lib, interleaved")
+P.add_argument("--rounds", type=int, default=5, help="interleaved rounds per configuration with --compare")
 ARGS = P.parse_args()
 
-lib = ctypes.CDLL(os.path.abspath(ARGS.lib))
-lib.bsattn_bench_plan.restype = ctypes.c_void_p
-lib.bsattn_bench_plan.argtypes = [ctypes.c_int] * 12
-lib.bsattn_bench_run.restype = ctypes.c_int
-lib.bsattn_bench_run.argtypes = [ctypes.c_void_p] * 9
-lib.bsattn_bench_check.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-lib.bsattn_bench_free.argtypes = [ctypes.c_void_p]
-lib.bsattn_bench_error.restype = ctypes.c_char_p
+
+def load(path):
+    lib = ctypes.CDLL(os.path.abspath(path))
+    lib.bsattn_bench_plan.restype = ctypes.c_void_p
+    lib.bsattn_bench_plan.argtypes = [ctypes.c_int] * 12
+    lib.bsattn_bench_run.restype = ctypes.c_int
+    lib.bsattn_bench_run.argtypes = [ctypes.c_void_p] * 9
+    lib.bsattn_bench_check.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.bsattn_bench_free.argtypes = [ctypes.c_void_p]
+    lib.bsattn_bench_error.restype = ctypes.c_char_p
+    return lib
+
+
+LIBS = [load(p) for p in [ARGS.lib] + ARGS.compare]
 
 DEV = "cuda"
 B, HQ, HKV = 1, 32, 8
@@ -44,7 +55,8 @@ def ptr(t):
 
 
 class Ours:
-    def __init__(self, S, D, bq, bk, fmt, hs, causal, window_left, dtype):
+    def __init__(self, S, D, bq, bk, fmt, hs, causal, window_left, dtype, lib=LIBS[0]):
+        self.lib = lib
         self.h = lib.bsattn_bench_plan(B, S, HQ, HKV, D, int(dtype == torch.float16), bq, bk, fmt, hs,
                                        int(causal), window_left)
         if not self.h:
@@ -52,17 +64,18 @@ class Ours:
 
     def __call__(self, q, k, v, out, lse, cnt, idx):
         s = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        lib = self.lib
         if lib.bsattn_bench_run(self.h, ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse), ptr(cnt), ptr(idx), s) != 0:
             raise RuntimeError(lib.bsattn_bench_error().decode())
 
     def check(self):
         s = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        if lib.bsattn_bench_check(self.h, s) != 0:
-            raise RuntimeError(lib.bsattn_bench_error().decode())
+        if self.lib.bsattn_bench_check(self.h, s) != 0:
+            raise RuntimeError(self.lib.bsattn_bench_error().decode())
 
     def __del__(self):
         if getattr(self, "h", None):
-            lib.bsattn_bench_free(self.h)
+            self.lib.bsattn_bench_free(self.h)
 
 
 def time_ms(fn, iters):
@@ -168,6 +181,28 @@ def reference_check():
     return ok
 
 
+def compare_variants(name, S, D, bq, bk, kind, W, q, k, v, lse, cnt, idx, ref, out):
+    """Median times of LIBS[0] and every --compare build, timed in interleaved rounds."""
+    fmt, hs, causal, wl = (1, HKV, False, -1) if kind == "random" else (0, 1, True, W - 1 if kind == "window" else -1)
+    base = ref if ref is not None else out  # without peers: the variants against the main build
+    runs = []
+    for lib in LIBS:
+        o = Ours(S, D, bq, bk, fmt, hs, causal, wl, torch.bfloat16, lib)
+        res = torch.full_like(out, float("nan"))
+        o(q, k, v, res, lse, cnt, idx)
+        o.check()
+        e = ((res.float() - base.float()).norm() / base.float().norm()).item()
+        if not e < 2e-2:
+            print(f"  MISMATCH {name} ({lib._name}): rel L2 {e:.3e}", flush=True)
+        runs.append((o, res))
+    times = [[] for _ in LIBS]
+    for _ in range(ARGS.rounds):
+        for j, (o, res) in enumerate(runs):
+            times[j].append(time_ms(lambda: o(q, k, v, res, lse, cnt, idx), max(5, ARGS.iters // ARGS.rounds)))
+    med = [statistics.median(ts) for ts in times]
+    return med[0], med[1:]
+
+
 def main():
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
           flush=True)
@@ -234,7 +269,10 @@ def main():
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             if not err < 2e-2:
                 print(f"  MISMATCH {name}: rel L2 vs peer {err:.3e}", flush=True)
-        t = time_ms(run, ARGS.iters)
+        if ARGS.compare:
+            t, extra = compare_variants(name, S, D, bq, bk, kind, W, q, k, v, lse, cnt, idx, ref, out)
+        else:
+            t = time_ms(run, ARGS.iters)
         ours.check()
         tf = flops / t / 1e9
         if kind == "random" and d == 1.0:
@@ -248,6 +286,8 @@ def main():
             row[pn + "_tf"] = flops / pt / 1e9
         rows.append(row)
         line = f"{name:28s} bsattn {t:8.3f} ms {tf:6.1f} TF/s" + (f"  err {err:.1e}" if err == err else "")
+        if ARGS.compare:
+            line += "".join(f" | variant{j + 1} {flops / e / 1e9:6.1f} TF/s x{t / e:.3f}" for j, e in enumerate(extra))
         for pn, pt in peer.items():
             line += f" | {pn} {pt:8.3f} ms {flops / pt / 1e9:6.1f} TF/s  x{pt / t:.2f}"
         print(line, flush=True)

@@ -47,6 +47,10 @@ struct AttentionParams {
   const route::Route* routes = nullptr;
   const std::int32_t* route_counts = nullptr;
   int route_rows = 0;
+  // GPU work order: route rows, longest first, and the counter persistent CTAs claim work from
+  // (zero before each launch). The CPU engine does not use them.
+  const std::int32_t* row_order = nullptr;
+  std::int32_t* work_counter = nullptr;
 
   BSATTN_HD std::int64_t q_offset(int b, const route::SeqInfo& s, int q, int h) const {
     return route.varlen_q ? (s.q_base + q) * q_token_stride + h * q_head_stride

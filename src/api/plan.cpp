@@ -72,11 +72,14 @@ class DeviceGuard {
 // The GPU plan's workspace: one cudaMalloc at plan time, carved into the overflow flag, route
 // counts, derived varlen offsets and route records. run() allocates nothing.
 struct DeviceWorkspace {
+  static constexpr std::size_t kFlagBytes = 3 * sizeof(std::int32_t);  // overflow flag + work counter
   void* base = nullptr;
   std::size_t bytes = 0;
   int device = 0;
   std::int32_t* overflow = nullptr;  // [2]: {row + 1, routes needed} of an overflowing row, else 0
+  std::int32_t* work_counter = nullptr;  // right after the overflow flag: one memset clears both
   std::int32_t* counts = nullptr;
+  std::int32_t* row_order = nullptr;
   std::int32_t* cu_total_m_blocks = nullptr;
   std::int32_t* cu_block_idx_offsets = nullptr;
   route::Route* routes = nullptr;
@@ -98,7 +101,8 @@ struct DeviceWorkspace {
     device = dev;
     const auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
     const std::size_t off_counts = 256;
-    const std::size_t off_cu_m = off_counts + align(static_cast<std::size_t>(rows) * sizeof(std::int32_t));
+    const std::size_t off_order = off_counts + align(static_cast<std::size_t>(rows) * sizeof(std::int32_t));
+    const std::size_t off_cu_m = off_order + align(static_cast<std::size_t>(rows) * sizeof(std::int32_t));
     const std::size_t off_cu_idx = off_cu_m + align((batch + 1) * sizeof(std::int32_t));
     const std::size_t off_routes = off_cu_idx + align((batch + 1) * sizeof(std::int32_t));
     bytes = off_routes + static_cast<std::size_t>(rows) * capacity * sizeof(route::Route);
@@ -106,11 +110,13 @@ struct DeviceWorkspace {
     cuda_check(cudaMalloc(&base, bytes), "cudaMalloc (plan workspace)");
     char* p = static_cast<char*>(base);
     overflow = reinterpret_cast<std::int32_t*>(p);
+    work_counter = overflow + 2;
     counts = reinterpret_cast<std::int32_t*>(p + off_counts);
+    row_order = reinterpret_cast<std::int32_t*>(p + off_order);
     cu_total_m_blocks = reinterpret_cast<std::int32_t*>(p + off_cu_m);
     cu_block_idx_offsets = reinterpret_cast<std::int32_t*>(p + off_cu_idx);
     routes = reinterpret_cast<route::Route*>(p + off_routes);
-    cuda_check(cudaMemset(overflow, 0, 2 * sizeof(std::int32_t)), "cudaMemset (plan workspace)");
+    cuda_check(cudaMemset(overflow, 0, kFlagBytes), "cudaMemset (plan workspace)");
   }
 };
 #else
@@ -261,14 +267,17 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   const auto s = static_cast<cudaStream_t>(stream);
   DeviceWorkspace& ws = *device;
   route::RouteParams& p = a.route;
-  cuda_check(cudaMemsetAsync(ws.overflow, 0, 2 * sizeof(std::int32_t), s), "cudaMemsetAsync");
+  cuda_check(cudaMemsetAsync(ws.overflow, 0, DeviceWorkspace::kFlagBytes, s), "cudaMemsetAsync");
   attach_varlen_block_offsets(p, ws.cu_total_m_blocks, ws.cu_block_idx_offsets,
                               [s](const route::RouteParams& q, std::int32_t* m, std::int32_t* o) {
                                 cuda_check(gpu::derive_varlen_block_offsets(q, m, o, s), "derive_varlen_block_offsets");
                               });
   a.routes = ws.routes;
   a.route_counts = ws.counts;
+  a.row_order = ws.row_order;
+  a.work_counter = ws.work_counter;
   cuda_check(gpu::prepare_routes(a, ws.routes, ws.counts, ws.overflow, s), "prepare_routes");
+  cuda_check(gpu::order_rows_longest_first(ws.counts, a.route_rows, ws.row_order, s), "order_rows_longest_first");
   if (problem.validate) check_gpu(stream);
   // Token extent of K/V (the bound of the kernel's bulk tensor copies).
   const int tdim = p.varlen_kv ? 0 : 1;

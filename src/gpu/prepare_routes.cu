@@ -1,5 +1,7 @@
 #include "gpu/prepare_routes.hpp"
 
+#include <cub/block/block_scan.cuh>
+
 #include "bsattn/route/prepare.hpp"
 
 namespace bsattn::gpu {
@@ -18,7 +20,39 @@ __global__ void derive_offsets_kernel(const route::RouteParams p, std::int32_t* 
   route::varlen_block_offsets(p, cu_m, cu_idx);
 }
 
+// Counting sort of the route rows by route count, longest first, in one block (a few microseconds
+// for thousands of rows). Counts at or above kBins share the top bin; the order inside a bin is
+// whatever the atomics give, which changes the schedule but never a result.
+constexpr int kOrderThreads = 1024;
+constexpr int kOrderBins = 2 * kOrderThreads;
+
+__global__ void __launch_bounds__(kOrderThreads) order_rows_kernel(const std::int32_t* counts, int rows,
+                                                                   std::int32_t* order) {
+  using Scan = cub::BlockScan<int, kOrderThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ int start[kOrderBins];  // histogram, then the first position of each bin
+  const auto bin = [](int count) { return kOrderBins - 1 - min(count, kOrderBins - 1); };  // longest first
+  for (int i = threadIdx.x; i < kOrderBins; i += kOrderThreads) start[i] = 0;
+  __syncthreads();
+  for (int r = threadIdx.x; r < rows; r += kOrderThreads) atomicAdd(&start[bin(counts[r])], 1);
+  __syncthreads();
+  int pair[2] = {start[2 * threadIdx.x], start[2 * threadIdx.x + 1]};
+  Scan(scan).ExclusiveSum(pair, pair);
+  __syncthreads();
+  start[2 * threadIdx.x] = pair[0];
+  start[2 * threadIdx.x + 1] = pair[1];
+  __syncthreads();
+  for (int r = threadIdx.x; r < rows; r += kOrderThreads) order[atomicAdd(&start[bin(counts[r])], 1)] = r;
+}
+
 }  // namespace
+
+cudaError_t order_rows_longest_first(const std::int32_t* counts, int rows, std::int32_t* order,
+                                     cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  order_rows_kernel<<<1, kOrderThreads, 0, stream>>>(counts, rows, order);
+  return cudaGetLastError();
+}
 
 cudaError_t prepare_routes(const AttentionParams& a, route::Route* routes, std::int32_t* counts,
                            std::int32_t* overflow, cudaStream_t stream) {

@@ -12,6 +12,11 @@ namespace bsattn::gpu {
 cudaError_t prepare_routes(const AttentionParams& params, route::Route* routes, std::int32_t* counts,
                            std::int32_t* overflow, cudaStream_t stream);
 
+// Writes the route rows into `order` ([rows], device) by descending route count: the work order
+// of the persistent attention kernel.
+cudaError_t order_rows_longest_first(const std::int32_t* counts, int rows, std::int32_t* order,
+                                     cudaStream_t stream);
+
 // Derives cu_total_m_blocks and cu_block_idx_offsets ([B+1] each, device) from the sequence
 // lengths in `route` (SPEC §3.2) without a host sync.
 cudaError_t derive_varlen_block_offsets(const route::RouteParams& route, std::int32_t* cu_total_m_blocks,

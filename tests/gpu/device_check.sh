@@ -23,10 +23,10 @@ fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then
   echo "== compute-sanitizer"
-  SUB='GpuForward.EveryFormatBf16D128:GpuForward.RouteOverflow:GpuRoutes.DeviceMatchesHost:GpuForward.GraphReplayWithChangedMetadata'
+  SUB='GpuForward.EveryFormatBf16D128:GpuForward.PersistentManyTiles:GpuForward.RouteOverflow:GpuRoutes.DeviceMatchesHost:GpuForward.GraphReplayWithChangedMetadata'
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$T" --gtest_filter="$SUB" > "$OUT/sanitizer.log" 2>&1
   echo "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
-  timeout 90 compute-sanitizer --tool racecheck --error-exitcode 3 "$T" --gtest_filter='GpuForward.EveryFormatBf16D128' >> "$OUT/sanitizer.log" 2>&1
+  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 3 "$T" --gtest_filter='GpuForward.PersistentManyTiles' >> "$OUT/sanitizer.log" 2>&1
   echo "racecheck rc=$?: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
   timeout 60 compute-sanitizer --tool synccheck --error-exitcode 3 "$T" --gtest_filter='GpuForward.LongerSequencesDense' >> "$OUT/sanitizer.log" 2>&1
   echo "synccheck rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"

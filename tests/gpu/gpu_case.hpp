@@ -172,6 +172,8 @@ struct CaseSpec {
   bool full_set = true;
   int mask = -1;  // -1 drawn; 0 none, 1 causal, 2 causal+window, 3 window+sink, 4 documents, 5 kv-valid bits
   int max_seqlen = 300;
+  int batch = 0;  // 0: drawn
+  bool out_f32 = false;  // f32 output (the kernel stages it in two column halves)
   std::uint64_t seed = 1;
 };
 
@@ -188,12 +190,12 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
   auto chance = [&](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
   Problem& p = c->problem;
   const bool varlen = spec.varlen || spec.format == Format::varlen_block_lists;
-  p.batch = varlen ? uni(2, 4) : uni(1, 2);
+  p.batch = spec.batch > 0 ? spec.batch : varlen ? uni(2, 4) : uni(1, 2);
   p.heads_q = spec.hq;
   p.heads_kv = spec.hkv;
   p.head_dim = spec.head_dim;
   p.dtype = spec.dtype;
-  p.out_dtype = spec.dtype;
+  p.out_dtype = spec.out_f32 ? DType::f32 : spec.dtype;
   p.block = {spec.bq, spec.bk};
   p.format = spec.format;
   p.device = Device::cuda;

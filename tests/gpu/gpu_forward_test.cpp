@@ -136,9 +136,35 @@ TEST(GpuForward, DtypesHeadDimsAndBlocks) {
         const Sweep& s = kSweeps[seed % 8];
         spec.format = s.format;
         spec.varlen = s.varlen;
+        spec.out_f32 = seed % 3 == 0;
         spec.seed = seed++;
         check_case(spec);
       }
+}
+
+// Many more work items than multiprocessors, with route counts that differ from row to row:
+// persistent CTAs walk several tiles each (pipeline state and the Q / output staging buffer carry
+// over from tile to tile), in the longest-first order.
+TEST(GpuForward, PersistentManyTiles) {
+  REQUIRE_SM90();
+  std::uint64_t seed = 7000;
+  for (int i = 0; i < 4; ++i) {
+    CaseSpec spec;
+    spec.format = kSweeps[1 + i].format;
+    spec.varlen = kSweeps[1 + i].varlen;
+    spec.batch = 4;
+    spec.hq = 16;
+    spec.hkv = 4;
+    spec.head_dim = i % 2 ? 64 : 128;
+    spec.bq = 64;
+    spec.bk = 64;
+    spec.max_seqlen = 900;
+    spec.density = 0.3;
+    spec.mask = i;
+    spec.out_f32 = i == 3;
+    spec.seed = seed++;
+    check_case(spec);
+  }
 }
 
 TEST(GpuForward, GqaAndMasks) {

@@ -1,10 +1,13 @@
-// The warp-specialised SM90 forward kernel: one producer warpgroup streams the K and V tiles of
-// the row's routes into shared memory (cp.async completing on mbarriers, two stages each, K one
-// route ahead of V) while kWarpgroups consumer warpgroups (64 query rows each) run
-// S = Q K^T and O += P V with wgmma. Registers move to the consumers (setmaxnreg). Consumers
-// never wait for each other: each waits on the stage barriers and releases the stages it read,
-// so the two warpgroups drift apart and their softmax phases interleave with the other's GEMMs.
-// Within a consumer, S(i+1) is issued before PV(i), so the softmax of route i+1 overlaps PV(i).
+// The persistent warp-specialised SM90 forward kernel. One CTA per multiprocessor walks work
+// tiles (route row, query head) longest row first. Per tile, one producer warpgroup streams the K
+// and V tiles of the row's routes into shared memory (TMA or cp.async completing on mbarriers,
+// two stages each, K one route ahead of V; the pipeline runs on from tile to tile) while
+// kWarpgroups consumer warpgroups (64 query rows each) run S = Q K^T and O += P V with wgmma.
+// Registers move to the consumers (setmaxnreg). Consumers never wait for each other: each waits
+// on the stage barriers and releases the stages it read, so the two warpgroups drift apart and
+// their softmax phases interleave with the other's GEMMs. Within a consumer, S(i+1) is issued
+// before PV(i), so the softmax of route i+1 overlaps PV(i). The epilogue goes through shared
+// memory while the producer already loads the next tile.
 #pragma once
 #include <cuda.h>
 
@@ -38,12 +41,14 @@ struct WsConfig {
   static constexpr int kProducerThreads = 128;
   static constexpr int kThreads = T::kThreads + kProducerThreads;
   static constexpr int kConsumerWarps = T::kThreads / 32;
-  // Register split: 64K registers per SM, one CTA.
+  // Register split: 64K registers per SM, one CTA. The producer keeps 40: with 24 its route loop
+  // spilled and the kernel ran 5-15 % slower (bench/RESULTS.md).
   static constexpr int kProducerRegs = T::kWarpgroups == 2 ? 40 : 56;
   static constexpr int kConsumerRegs = T::kWarpgroups == 2 ? 232 : 240;
   struct Smem {
     typename T::SharedStorage tiles;
     PipelineBarriers<T::kStages> bars;
+    Tile tile[2];  // work tiles handed from the producer to the consumers (slot t % 2: tile t)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
 };
@@ -69,11 +74,11 @@ __device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, cons
   }
 }
 
-// Bulk tensor (TMA) descriptors of K and V as 4-D tensors (D, tokens, heads, batch); `valid`
-// false: the producer falls back to cp.async (per-token addressing).
-struct KVTensorMaps {
+// Bulk tensor (TMA) maps of K and V as 4-D tensors (D, tokens, heads, batch); `tma` 0: the
+// producer falls back to cp.async (per-token addressing).
+struct LaunchDescriptors {
   CUtensorMap k, v;
-  int valid;
+  int tma;
 };
 
 __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1,
@@ -100,13 +105,12 @@ __device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
 template <class T>
 __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     forward_kernel_ws(const __grid_constant__ AttentionParams a, const int* __restrict__ overflow,
-                      const __grid_constant__ KVTensorMaps maps) {
+                      const __grid_constant__ LaunchDescriptors desc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using C = WsConfig<T>;
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
-  constexpr bool kUseTma = kBlockN == 128;
   extern __shared__ char smem_raw[];
   auto& sm = *reinterpret_cast<typename C::Smem*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) &
                                                    ~std::uintptr_t(1023));
@@ -115,82 +119,110 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   if (*overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
 
   const route::RouteParams& p = a.route;
-  const WorkItem w = work_item(a, blockIdx.x);
-  const route::RowCoordinates rc = route::row_coordinates(p, w.row);
-  const route::SeqInfo si = route::seq_info(p, rc.b);
-  const int q0 = rc.q_tile * p.tile_m;
-  if (q0 >= si.seqlen_q) return;
-  const int b = rc.b, h = w.head, hkv = h / (p.heads_q / p.heads_kv);
-  const route::Route* routes = a.routes + static_cast<std::int64_t>(w.row) * p.capacity;
-  const int count = a.route_counts[w.row];
-
+  const int items = work_items(a);
+  // TMA producer for the 128-wide tiles only: compiled into the 64-wide kernels too, it made
+  // ptxas spill heavily in their consumer code.
+  const bool tma = T::kBlockN == 128 && desc.tma;
   const int tid = threadIdx.x;
   const int role = __shfl_sync(0xffffffffu, tid / 128, 0);  // 0: producer; 1..: consumer warpgroups
   if (tid == 0) {
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&bars.full_k[s], kUseTma && maps.valid ? 1 : C::kProducerThreads);
-      Barrier::init(&bars.full_v[s], kUseTma && maps.valid ? 1 : C::kProducerThreads);
+      Barrier::init(&bars.full_k[s], tma ? 1 : C::kProducerThreads);
+      Barrier::init(&bars.full_v[s], tma ? 1 : C::kProducerThreads);
       Barrier::init(&bars.empty_k[s], C::kConsumerWarps);
       Barrier::init(&bars.empty_v[s], C::kConsumerWarps);
     }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  const bool warp_leader = (tid % 32) == 0;
+  // Tile handoff: slot t % 2 holds this CTA's tile t. Producer warp 0 (its thread 0 claims and
+  // decodes) writes the slot and arrives on kTileFull + slot; the consumers sync on it and read
+  // the slot in place while they work on the tile; starting tile t they arrive on kTileEmpty +
+  // slot of tile t-1, on which warp 0 syncs before writing tile t+1 there. So the producer
+  // decodes and loads one tile ahead. With cp.async, producer warps 1-3 see the slot through the
+  // producer's own barrier. Named barriers (not mbarriers): compute-sanitizer's racecheck sees
+  // the ordering.
+  constexpr int kTileFull = 5, kTileEmpty = 7, kProducerSync = 9;  // 0: __syncthreads; 1, 2: warpgroups; 3, 4: ping-pong
+  const int handoff_threads = T::kThreads + 32;
+  // Reader side of tile t: null when there is no more work.
+  auto take_tile = [&](int t) -> const Tile* {
+    barrier_sync(kTileFull + (t & 1), handoff_threads);
+    const Tile* tile = &sm.tile[t & 1];
+    if (tile->row < 0) return nullptr;  // the producer is gone: nothing to release
+    if (t > 0) barrier_arrive(kTileEmpty + ((t - 1) & 1), handoff_threads);
+    return tile;
+  };
 
   if (role == 0) {
     // ---------------------------------------------------------------- producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
-    // TMA producer for the 128-wide tiles; the 64-wide kernels keep the cp.async producer
-    // (compiling both into them made ptxas spill heavily in the consumer code).
-    if (kUseTma && maps.valid) {
-      // One thread issues the bulk tensor copies: per route and operand, D/64 boxes of 64 x kBlockN
-      // (128-byte swizzle, the layout the wgmma descriptors read). Tokens past the tensor are
-      // zero-filled; tokens past the sequence but inside the tensor are finite data that the
-      // route mask removes.
-      if (tid == 0) {
-        const int tok0 = p.varlen_kv ? static_cast<int>(si.kv_base) : 0;
-        const int bc = p.varlen_kv ? 0 : b;
+    if (tma && tid != 0) return;  // one thread issues the bulk tensor copies
+    int claimed = blockIdx.x;  // thread 0
+    int issued = 0;            // routes streamed so far: the pipeline position continues across tiles
+    for (int t = 0;; ++t) {
+      if (tid < 32) {
+        if (t > 1) barrier_sync(kTileEmpty + (t & 1), handoff_threads);
+        if (tid == 0) {
+          Tile next;
+          if (claimed < items) next = decode_tile(a, claimed);
+          else next.row = -1;  // no more work
+          sm.tile[t & 1] = next;
+          if (claimed < items) claimed = next_item(a);
+        }
+        __syncwarp(tma ? 1u : 0xffffffffu);
+        barrier_arrive(kTileFull + (t & 1), handoff_threads);
+      }
+      // Warps 1-3 pass here once warp 0 wrote tile t, and warp 0 writes tile t+2 into the same
+      // slot only after they passed here again for tile t+1 (done with tile t).
+      if (!tma) barrier_sync(kProducerSync, C::kProducerThreads);
+      const Tile& tile = sm.tile[t & 1];
+      if (tile.row < 0) break;
+      const int hkv = tile.head / (p.heads_q / p.heads_kv);
+      if (tma) {
+        // Per route and operand, D/64 boxes of 64 x kBlockN (128-byte swizzle, the layout the
+        // wgmma descriptors read). Tokens past the tensor are zero-filled; tokens past the
+        // sequence but inside the tensor are finite data that the route mask removes.
+        const int tok0 = p.varlen_kv ? static_cast<int>(tile.si.kv_base) : 0;
+        const int bc = p.varlen_kv ? 0 : tile.b;
         constexpr unsigned kBytes = kBlockN * kHeadDim * sizeof(Element);
-        for (int i = 0; i < count; ++i) {
-          const int stage = i % kStages;
-          const int phase = (i / kStages) & 1;
-          const int k0 = routes[i].index * p.tile_n;
+        for (int i = 0; i < tile.count; ++i) {
+          const int j = issued + i, stage = j % kStages, phase = (j / kStages) & 1;
+          const int k0 = tile.routes[i].index * p.tile_n;
           Barrier::wait(&bars.empty_k[stage], phase ^ 1);
           arrive_expect_tx(&bars.full_k[stage], kBytes);
           CUTE_UNROLL
           for (int c = 0; c < kHeadDim / 64; ++c)
-            tma_load_4d(st.k + (stage * kHeadDim + c * 64) * kBlockN, &maps.k, &bars.full_k[stage], c * 64,
+            tma_load_4d(st.k + (stage * kHeadDim + c * 64) * kBlockN, &desc.k, &bars.full_k[stage], c * 64,
                         tok0 + k0, hkv, bc);
           Barrier::wait(&bars.empty_v[stage], phase ^ 1);
           arrive_expect_tx(&bars.full_v[stage], kBytes);
           CUTE_UNROLL
           for (int c = 0; c < kHeadDim / 64; ++c)
-            tma_load_4d(st.v + (stage * kHeadDim + c * 64) * kBlockN, &maps.v, &bars.full_v[stage], c * 64,
+            tma_load_4d(st.v + (stage * kHeadDim + c * 64) * kBlockN, &desc.v, &bars.full_v[stage], c * 64,
                         tok0 + k0, hkv, bc);
         }
+      } else {
+        const Element* kbase = static_cast<const Element*>(a.k) + a.kv_offset(tile.b, tile.si, 0, hkv, a.k_batch_stride,
+                                                                             a.k_token_stride, a.k_head_stride);
+        const Element* vbase = static_cast<const Element*>(a.v) + a.kv_offset(tile.b, tile.si, 0, hkv, a.v_batch_stride,
+                                                                             a.v_token_stride, a.v_head_stride);
+        for (int i = 0; i < tile.count; ++i) {
+          const int j = issued + i, stage = j % kStages, phase = (j / kStages) & 1;
+          const int k0 = tile.routes[i].index * p.tile_n;
+          const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
+          Barrier::wait(&bars.empty_k[stage], phase ^ 1);
+          produce_tile<T, false>(st, kbase, a.k_token_stride, k0, n_valid, stage, tid);
+          cp_async_arrive_noinc(&bars.full_k[stage]);
+          Barrier::wait(&bars.empty_v[stage], phase ^ 1);
+          produce_tile<T, true>(st, vbase, a.v_token_stride, k0, n_valid, stage, tid);
+          cp_async_arrive_noinc(&bars.full_v[stage]);
+        }
       }
-      return;
+      issued += tile.count;
     }
-    const int ptid = tid;
-    const Element* kbase = static_cast<const Element*>(a.k) +
-                           a.kv_offset(b, si, 0, hkv, a.k_batch_stride, a.k_token_stride, a.k_head_stride);
-    const Element* vbase = static_cast<const Element*>(a.v) +
-                           a.kv_offset(b, si, 0, hkv, a.v_batch_stride, a.v_token_stride, a.v_head_stride);
-    for (int i = 0; i < count; ++i) {
-      const int stage = i % kStages;
-      const int phase = (i / kStages) & 1;
-      const route::Route rt = routes[i];
-      const int k0 = rt.index * p.tile_n;
-      const int n_valid = min(p.tile_n, si.seqlen_kv - k0);
-      Barrier::wait(&bars.empty_k[stage], phase ^ 1);
-      produce_tile<T, false>(st, kbase, a.k_token_stride, k0, n_valid, stage, ptid);
-      cp_async_arrive_noinc(&bars.full_k[stage]);
-      Barrier::wait(&bars.empty_v[stage], phase ^ 1);
-      produce_tile<T, true>(st, vbase, a.v_token_stride, k0, n_valid, stage, ptid);
-      cp_async_arrive_noinc(&bars.full_v[stage]);
-    }
-    cp_async_wait<0>();
+    if (!tma) cp_async_wait<0>();
     return;
   }
 
@@ -198,27 +230,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<C::kConsumerRegs>();
   const int wg = role - 1;
   const int wg_tid = tid % 128;
-  const int q_begin = q0 + wg * 64;
-  unsigned present = 0;  // units of the tile that lie inside the sequence
-  for (int u = 0; u * p.unit_m < T::kBlockM; ++u)
-    if (q0 + u * p.unit_m < si.seqlen_q) present |= 1u << u;
-
-  {  // This warpgroup's 64 Q rows.
-    const Element* q = static_cast<const Element*>(a.q);
-    constexpr int kChunks = kHeadDim / 8, kRowsPerStep = 128 / kChunks;
-    Tensor sQ = make_tensor(make_smem_ptr(st.q[wg]), typename T::SmemLayoutQ{});
-    const int d = (wg_tid % kChunks) * 8;
-    CUTE_UNROLL
-    for (int r0 = 0; r0 < 64; r0 += kRowsPerStep) {
-      const int r = r0 + wg_tid / kChunks;
-      const bool valid = q_begin + r < si.seqlen_q;
-      cp_async_16(&sQ(r, d), valid ? q + a.q_offset(b, si, q_begin + r, h) + d : q, valid);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(128, 1 + wg);
-  }
+  const int wg_barrier = 1 + wg;  // named barriers 1, 2 (0: __syncthreads; 3, 4: ping-pong)
 
   typename T::MmaQK mma_qk;
   typename T::MmaPV mma_pv;
@@ -232,98 +244,138 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, Int<kBlockN>>{});
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<_64, Int<kHeadDim>>{});
-  clear(tOrO);
-  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<_64, Int<kBlockN>>{}));
-  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
   Tensor s_rc = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-  Tensor c_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
   Tensor o_rc = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
-  Tensor co_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
   Tensor tOrP = make_tensor<Element>(acc_as_a_operand(tSrS.layout()));
   Tensor s_as_a = make_tensor(tSrS.data(), acc_as_a_operand(tSrS.layout()));
   constexpr int kRows = decltype(size<0>(s_rc))::value;
   constexpr bool kPingPong = T::kWarpgroups == 2 && BSATTN_FWD_PINGPONG;
-  constexpr int kSchedBarrier0 = 3;  // named barriers 3, 4 (0: __syncthreads, 1-2: Q tiles)
-  OnlineSoftmax<kRows> softmax(a.scale);
-  const bool warp_leader = (tid % 32) == 0;
+  constexpr int kSchedBarrier0 = 3;
 
-  auto mask_softmax = [&](int i, float (&rescale)[kRows]) {
-    const route::Route rt = routes[i];
-    RouteMask m;
-    m.k0 = rt.index * p.tile_n;
-    m.n_valid = min(p.tile_n, si.seqlen_kv - m.k0);
-    m.rows = rt.rows;
-    m.masked = rt.masked;
-    if (rt.masked != 0 || (rt.rows & present) != present || m.n_valid < kBlockN) {
-      m.q_begin = q_begin;
-      m.tile_row0 = wg * 64;
-      m.unit_m = p.unit_m;
-      m.template apply<kBlockN == 128>(s_rc, c_rc, a, si, b);
-    }
-    softmax.step(s_rc, rescale);
-  };
   auto convert_p = [&]() {
     CUTE_UNROLL
     for (int e = 0; e < size(tOrP); ++e) tOrP(e) = static_cast<Element>(s_as_a(e));
   };
-  auto wait_full = [&](std::uint64_t* full, int i) {
-    Barrier::wait(&full[i % kStages], (i / kStages) & 1);
+  auto wait_full = [&](std::uint64_t* full, int j) {
+    Barrier::wait(&full[j % kStages], (j / kStages) & 1);
     cutlass::arch::fence_view_async_shared();
   };
-  auto release = [&](std::uint64_t* empty, int i) {
-    if (warp_leader) Barrier::arrive(&empty[i % kStages]);
+  auto release = [&](std::uint64_t* empty, int j) {
+    if (warp_leader) Barrier::arrive(&empty[j % kStages]);
   };
 
-  if (count > 0) {
-    wait_full(bars.full_k, 0);
-    wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, 0), tSrS);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tSrS);
-    release(bars.empty_k, 0);
-    float rescale[kRows];
-    mask_softmax(0, rescale);  // O is still zero: nothing to rescale
-    convert_p();
-    // Steady state: S(i+1) and PV(i) in flight together, the softmax of i+1 under PV(i).
-    // Ping-pong (two consumer warpgroups): a warpgroup issues its two GEMMs only after the other
-    // one issued its own, so one warpgroup's softmax runs under the other's GEMMs.
-    if constexpr (kPingPong) {
-      if (wg == 0) cutlass::arch::NamedBarrier::arrive(256, kSchedBarrier0);
+  int consumed = 0;  // routes consumed so far (pipeline position, as the producer's `issued`)
+  for (int t = 0;; ++t) {
+    const Tile* slot = take_tile(t);
+    if (!slot) break;
+    const Tile& tile = *slot;
+    if (tile.q0 >= tile.si.seqlen_q) continue;  // a tile past the sequence end: no routes, no rows
+    // Thread-dependent addresses and coordinates are derived per tile from an opaque thread index:
+    // hoisted out of the tile loop, they would stay live across the main loop and spill.
+    const int ltid = opaque_thread_index() % 128;
+    Tensor tScS = mma_qk.get_thread_slice(ltid).partition_C(make_identity_tensor(Shape<_64, Int<kBlockN>>{}));
+    Tensor tOcO = mma_pv.get_thread_slice(ltid).partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+    Tensor c_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+    Tensor co_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+    const route::SeqInfo& si = tile.si;
+    const route::Route* routes = tile.routes;
+    const int count = tile.count, base = consumed;
+    consumed += count;
+    const int q_begin = tile.q0 + wg * 64;
+    unsigned present = 0;  // units of the tile that lie inside the sequence
+    for (int u = 0; u * p.unit_m < T::kBlockM; ++u)
+      if (tile.q0 + u * p.unit_m < si.seqlen_q) present |= 1u << u;
+
+    {  // This warpgroup's 64 Q rows (its buffer is free: the previous epilogue ended on a barrier).
+      const Element* q = static_cast<const Element*>(a.q);
+      constexpr int kChunks = kHeadDim / 8, kRowsPerStep = 128 / kChunks;
+      const int d = (ltid % kChunks) * 8;
+      CUTE_UNROLL
+      for (int r0 = 0; r0 < 64; r0 += kRowsPerStep) {
+        const int r = r0 + ltid / kChunks;
+        const bool valid = q_begin + r < si.seqlen_q;
+        cp_async_16(&sQ(r, d), valid ? q + a.q_offset(tile.b, si, q_begin + r, tile.head) + d : q, valid);
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+      cutlass::arch::fence_view_async_shared();
+      barrier_sync(wg_barrier, 128);
     }
-    CUTE_NO_UNROLL
-    for (int i = 0; i < count - 1; ++i) {
-      wait_full(bars.full_k, i + 1);
-      if constexpr (kPingPong) cutlass::arch::NamedBarrier::sync(256, kSchedBarrier0 + wg);
-      wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, (i + 1) % kStages), tSrS);
-      wait_full(bars.full_v, i);
-      wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, i % kStages), tOrO);
-      if constexpr (kPingPong) cutlass::arch::NamedBarrier::arrive(256, kSchedBarrier0 + (1 - wg));
-      warpgroup_wait<1>();  // S(i+1) done; PV(i) may still run
+
+    OnlineSoftmax<kRows> softmax(a.scale);
+    clear(tOrO);
+    auto mask_softmax = [&](const route::Route rt, float (&rescale)[kRows]) {
+      RouteMask m;
+      m.k0 = rt.index * p.tile_n;
+      m.n_valid = min(p.tile_n, si.seqlen_kv - m.k0);
+      m.rows = rt.rows;
+      m.masked = rt.masked;
+      if (rt.masked != 0 || (rt.rows & present) != present || m.n_valid < kBlockN) {
+        m.q_begin = q_begin;
+        m.tile_row0 = wg * 64;
+        m.unit_m = p.unit_m;
+        m.template apply<kBlockN == 128>(s_rc, c_rc, a, si, tile.b);
+      }
+      softmax.step(s_rc, rescale);
+    };
+
+    if (count > 0) {
+      wait_full(bars.full_k, base);
+      wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, base % kStages), tSrS);
+      warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
-      release(bars.empty_k, i + 1);
-      mask_softmax(i + 1, rescale);
+      release(bars.empty_k, base);
+      float rescale[kRows];
+      mask_softmax(routes[0], rescale);  // O is still zero: nothing to rescale
+      convert_p();
+      // Steady state: S(i+1) and PV(i) in flight together, the softmax of i+1 under PV(i).
+      // Ping-pong (two consumer warpgroups): a warpgroup issues its two GEMMs only after the
+      // other one issued its own, so one warpgroup's softmax runs under the other's GEMMs.
+      if constexpr (kPingPong) {
+        if (wg == 0) barrier_arrive(kSchedBarrier0, 256);
+      }
+      CUTE_NO_UNROLL
+      for (int i = 0; i < count - 1; ++i) {
+        // Read before the GEMMs are issued, so the load's latency hides under them (a register
+        // carried one iteration ahead measured slower: bench/RESULTS.md).
+        const route::Route rt = routes[i + 1];
+        const int j = base + i;
+        wait_full(bars.full_k, j + 1);
+        if constexpr (kPingPong) barrier_sync(kSchedBarrier0 + wg, 256);
+        wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, (j + 1) % kStages), tSrS);
+        wait_full(bars.full_v, j);
+        wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, j % kStages), tOrO);
+        if constexpr (kPingPong) barrier_arrive(kSchedBarrier0 + (1 - wg), 256);
+        warpgroup_wait<1>();  // S(i+1) done; PV(i) may still run
+        warpgroup_fence_operand(tSrS);
+        release(bars.empty_k, j + 1);
+        mask_softmax(rt, rescale);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        warpgroup_fence_operand(tOrP);
+        release(bars.empty_v, j);
+        scale_rows(o_rc, rescale);
+        convert_p();
+      }
+      // Balance the ping-pong barriers (the first arrive, or the other warpgroup's last one).
+      if constexpr (kPingPong) {
+        if (wg == 0) barrier_sync(kSchedBarrier0, 256);
+      }
+      // Last PV.
+      const int last = base + count - 1;
+      wait_full(bars.full_v, last);
+      wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, last % kStages), tOrO);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
-      warpgroup_fence_operand(tOrP);
-      release(bars.empty_v, i);
-      scale_rows(o_rc, rescale);
-      convert_p();
+      release(bars.empty_v, last);
     }
-    // Balance the ping-pong barriers (the first arrive, or the other warpgroup's last one).
-    if constexpr (kPingPong) {
-      if (wg == 0) cutlass::arch::NamedBarrier::sync(256, kSchedBarrier0);
-    }
-    // Last PV.
-    wait_full(bars.full_v, count - 1);
-    wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, (count - 1) % kStages), tOrO);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tOrO);
-    release(bars.empty_v, count - 1);
-  }
 
-  float inv[kRows], lse[kRows];
-  softmax.finish(inv, lse, a.scale);
-  scale_rows(o_rc, inv);
-  store_output(o_rc, co_rc, lse, a, si, b, h, q_begin);
+    float inv[kRows], lse[kRows];
+    softmax.finish(inv, lse, a.scale);
+    scale_rows(o_rc, inv);
+    store_output<kHeadDim>(o_rc, co_rc, lse, reinterpret_cast<char*>(st.q[wg]), a, si, tile.b,
+                           tile.head, q_begin, ltid, wg_barrier);
+  }
 #endif
 }
 
@@ -331,7 +383,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
 // Returns false where TMA cannot address the tensors (paged KV, strides or bases not 16-byte
 // aligned, no driver entry point); the kernel then loads with cp.async.
 template <class T>
-bool encode_kv_maps(const AttentionParams& a, std::int64_t kv_tokens, KVTensorMaps& maps) {
+bool encode_kv_maps(const AttentionParams& a, std::int64_t kv_tokens, LaunchDescriptors& maps) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -375,10 +427,17 @@ cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, 
   if (!a) return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   const int items = work_items(*a);
   if (items == 0) return cudaSuccess;
-  KVTensorMaps maps{};
+  LaunchDescriptors desc{};
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
-  maps.valid = T::kBlockN == 128 && !no_tma && encode_kv_maps<T>(*a, kv_tokens, maps) ? 1 : 0;
-  kernel<<<items, C::kThreads, C::kSmemBytes, stream>>>(*a, overflow, maps);
+  desc.tma = T::kBlockN == 128 && !no_tma && encode_kv_maps<T>(*a, kv_tokens, desc) ? 1 : 0;
+  // Persistent: one CTA per multiprocessor (the kernel's shared memory allows no second one).
+  // BSATTN_GPU_CTA_PER_TILE=1 launches one CTA per work item instead (measurement switch).
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
+                                                   cudaSuccess)
+    return cudaGetLastError();
+  static const bool cta_per_tile = std::getenv("BSATTN_GPU_CTA_PER_TILE") != nullptr;
+  kernel<<<cta_per_tile ? items : std::min(items, sms), C::kThreads, C::kSmemBytes, stream>>>(*a, overflow, desc);
   return cudaGetLastError();
 }
 

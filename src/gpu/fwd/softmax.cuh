@@ -9,6 +9,14 @@
 
 namespace bsattn::gpu::fwd {
 
+// 2^x on the SFU, flushing denormal results to zero: exp2f without -ftz adds a range test and
+// two multiplies per element around MUFU.EX2, a tenth of the softmax's instructions.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <int kRows>
 struct OnlineSoftmax {
   float row_max[kRows];
@@ -34,13 +42,13 @@ struct OnlineSoftmax {
       for (int j = 0; j < size<1>(s); ++j) mx = fmaxf(mx, s(i, j));
       mx = quad_max(mx);
       const bool none = mx == -INFINITY;
-      rescale[i] = none ? 1.0f : exp2f((row_max[i] - mx) * scale_log2);
+      rescale[i] = none ? 1.0f : exp2_ftz((row_max[i] - mx) * scale_log2);
       row_max[i] = mx;
       const float offset = none ? 0.0f : mx * scale_log2;
       float sum = 0.0f;
       CUTE_UNROLL
       for (int j = 0; j < size<1>(s); ++j) {
-        const float p = exp2f(s(i, j) * scale_log2 - offset);
+        const float p = exp2_ftz(s(i, j) * scale_log2 - offset);
         s(i, j) = p;
         sum += p;
       }

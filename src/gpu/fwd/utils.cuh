@@ -57,6 +57,22 @@ __device__ __forceinline__ auto acc_as_a_operand(L acc) {
                      make_layout(get<2, 1>(v), get<2>(acc)));
 }
 
+// Named barriers by their hardware id (1-15; 0 is __syncthreads). CUTLASS's NamedBarrier adds
+// its reserved count (8) to user ids, which leaves too few for this kernel's nine.
+__device__ __forceinline__ void barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// threadIdx.x through volatile asm: the compiler cannot hoist what is derived from it out of a loop.
+__device__ __forceinline__ int opaque_thread_index() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
