@@ -1,0 +1,161 @@
+// Producer side of the forward kernel: the K/V load pipeline (stage barriers, bulk tensor
+// copies or cp.async) and the host-side encoding of the tensor maps.
+#pragma once
+#include <cuda.h>
+
+#include <cutlass/arch/barrier.h>
+
+#include "bsattn/attention_params.hpp"
+#include "gpu/fwd/scheduler.cuh"
+#include "gpu/fwd/traits.cuh"
+
+namespace bsattn::gpu::fwd {
+
+// Stage barriers of the K and V pipelines.
+template <int kStages>
+struct PipelineBarriers {
+  alignas(8) std::uint64_t full_k[kStages], empty_k[kStages], full_v[kStages], empty_v[kStages];
+};
+
+// Producer side: 128 threads copy one K or V tile (16 bytes each per step), then each thread
+// arrives on the stage's full barrier when its own copies have landed (count 128).
+template <class T, bool kIsV>
+__device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, const typename T::Element* base,
+                                             std::int64_t token_stride, int k0, int n_valid, int stage, int ptid) {
+  constexpr int kChunks = T::kHeadDim / 8;
+  constexpr int kRowsPerStep = 128 / kChunks;
+  Tensor sK = make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(st.v), typename T::SmemLayoutVt{});
+  const int d = (ptid % kChunks) * 8;
+#pragma unroll 2
+  for (int n0 = 0; n0 < T::kBlockN; n0 += kRowsPerStep) {
+    const int n = n0 + ptid / kChunks;
+    if (T::kBlockN % kRowsPerStep != 0 && n >= T::kBlockN) break;
+    const bool valid = n < n_valid;
+    const typename T::Element* src = valid ? base + static_cast<std::int64_t>(k0 + n) * token_stride + d : base;
+    if constexpr (kIsV) cp_async_16(&sVt(d, n, stage), src, valid);
+    else cp_async_16(&sK(n, d, stage), src, valid);
+  }
+}
+
+// Bulk tensor (TMA) maps of K and V as 4-D tensors (D, tokens, heads, batch); `tma` 0: the
+// producer falls back to cp.async (per-token addressing).
+struct LaunchDescriptors {
+  CUtensorMap k, v;
+  int tma;
+};
+
+__device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1,
+                                            int c2, int c3) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(s),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(m), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+__device__ __forceinline__ void arrive_expect_tx(std::uint64_t* bar, unsigned bytes) {
+  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(m), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(s) : "memory");
+}
+
+// Streams the K and V tiles of one work tile's routes into the stages, from pipeline position
+// `issued` on. TMA: thread 0 alone; cp.async: the 128 producer threads (ptid).
+template <class T>
+__device__ __forceinline__ void load_tile_routes(const Tile& tile, int issued, bool tma, const AttentionParams& a,
+                                                 const LaunchDescriptors& desc, typename T::SharedStorage& st,
+                                                 PipelineBarriers<T::kStages>& bars, int ptid) {
+  using Element = typename T::Element;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
+  const route::RouteParams& p = a.route;
+  const int hkv = tile.head / (p.heads_q / p.heads_kv);
+  if (tma) {
+    // Per route and operand, D/64 boxes of 64 x kBlockN (128-byte swizzle, the layout the
+    // wgmma descriptors read). Tokens past the tensor are zero-filled; tokens past the
+    // sequence but inside the tensor are finite data that the route mask removes.
+    const int tok0 = p.varlen_kv ? static_cast<int>(tile.si.kv_base) : 0;
+    const int bc = p.varlen_kv ? 0 : tile.b;
+    constexpr unsigned kBytes = kBlockN * kHeadDim * sizeof(Element);
+    for (int i = 0; i < tile.count; ++i) {
+      const int j = issued + i, stage = j % kStages, phase = (j / kStages) & 1;
+      const int k0 = tile.routes[i].index * p.tile_n;
+      Barrier::wait(&bars.empty_k[stage], phase ^ 1);
+      arrive_expect_tx(&bars.full_k[stage], kBytes);
+      CUTE_UNROLL
+      for (int c = 0; c < kHeadDim / 64; ++c)
+        tma_load_4d(st.k + (stage * kHeadDim + c * 64) * kBlockN, &desc.k, &bars.full_k[stage], c * 64,
+                    tok0 + k0, hkv, bc);
+      Barrier::wait(&bars.empty_v[stage], phase ^ 1);
+      arrive_expect_tx(&bars.full_v[stage], kBytes);
+      CUTE_UNROLL
+      for (int c = 0; c < kHeadDim / 64; ++c)
+        tma_load_4d(st.v + (stage * kHeadDim + c * 64) * kBlockN, &desc.v, &bars.full_v[stage], c * 64,
+                    tok0 + k0, hkv, bc);
+    }
+  } else {
+    const Element* kbase = static_cast<const Element*>(a.k) + a.kv_offset(tile.b, tile.si, 0, hkv, a.k_batch_stride,
+                                                                         a.k_token_stride, a.k_head_stride);
+    const Element* vbase = static_cast<const Element*>(a.v) + a.kv_offset(tile.b, tile.si, 0, hkv, a.v_batch_stride,
+                                                                         a.v_token_stride, a.v_head_stride);
+    for (int i = 0; i < tile.count; ++i) {
+      const int j = issued + i, stage = j % kStages, phase = (j / kStages) & 1;
+      const int k0 = tile.routes[i].index * p.tile_n;
+      const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
+      Barrier::wait(&bars.empty_k[stage], phase ^ 1);
+      produce_tile<T, false>(st, kbase, a.k_token_stride, k0, n_valid, stage, ptid);
+      cp_async_arrive_noinc(&bars.full_k[stage]);
+      Barrier::wait(&bars.empty_v[stage], phase ^ 1);
+      produce_tile<T, true>(st, vbase, a.v_token_stride, k0, n_valid, stage, ptid);
+      cp_async_arrive_noinc(&bars.full_v[stage]);
+    }
+  }
+}
+
+// Encodes the K and V tensor maps for this run (host only: no stream work, capturable).
+// Returns false where TMA cannot address the tensors (paged KV, strides or bases not 16-byte
+// aligned, no driver entry point); the kernel then loads with cp.async.
+template <class T>
+bool encode_kv_maps(const AttentionParams& a, std::int64_t kv_tokens, LaunchDescriptors& maps) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = []() -> Encode {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (!encode || a.route.paged) return false;
+  const std::int64_t e = sizeof(typename T::Element);
+  const auto one = [&](const void* base, std::int64_t bs, std::int64_t ts, std::int64_t hs, CUtensorMap& map) {
+    const bool varlen = a.route.varlen_kv;
+    cuuint64_t dims[4] = {static_cast<cuuint64_t>(T::kHeadDim),
+                          static_cast<cuuint64_t>(kv_tokens),
+                          static_cast<cuuint64_t>(a.route.heads_kv),
+                          static_cast<cuuint64_t>(varlen ? 1 : a.route.batch)};
+    cuuint64_t strides[3] = {static_cast<cuuint64_t>(ts * e), static_cast<cuuint64_t>(hs * e),
+                             static_cast<cuuint64_t>((varlen ? ts * kv_tokens : bs) * e)};
+    if (reinterpret_cast<std::uintptr_t>(base) % 16 || strides[0] % 16 || strides[1] % 16 || strides[2] % 16 ||
+        strides[2] == 0 || dims[1] == 0 || dims[1] > (std::uint64_t(1) << 31))
+      return false;
+    cuuint32_t box[4] = {64, static_cast<cuuint32_t>(T::kBlockN), 1, 1};
+    cuuint32_t estr[4] = {1, 1, 1, 1};
+    return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box, estr,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  return one(a.k, a.k_batch_stride, a.k_token_stride, a.k_head_stride, maps.k) &&
+         one(a.v, a.v_batch_stride, a.v_token_stride, a.v_head_stride, maps.v);
+}
+
+}  // namespace bsattn::gpu::fwd
