@@ -8,7 +8,8 @@ timed; times are the median of >= 20 CUDA-event timings after warm-up; inputs ar
   python3 bench/gpu/bench_forward.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--peers all|core|none]
 
 --compare LIB...: also time other builds of the library (kernel variants) on the same inputs,
-interleaved with the main one in rounds, so that clock and thermal drift hit every variant alike.
+interleaved with the main one in rounds (order reversed every other round), so that clock and
+thermal drift hit every variant alike.
 """
 import argparse
 import ctypes
@@ -196,8 +197,10 @@ def compare_variants(name, S, D, bq, bk, kind, W, q, k, v, lse, cnt, idx, ref, o
             print(f"  MISMATCH {name} ({lib._name}): rel L2 {e:.3e}", flush=True)
         runs.append((o, res))
     times = [[] for _ in LIBS]
-    for _ in range(ARGS.rounds):
-        for j, (o, res) in enumerate(runs):
+    for r in range(ARGS.rounds):
+        order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))  # ABBA: no order bias
+        for j in order:
+            o, res = runs[j]
             times[j].append(time_ms(lambda: o(q, k, v, res, lse, cnt, idx), max(5, ARGS.iters // ARGS.rounds)))
     med = [statistics.median(ts) for ts in times]
     return med[0], med[1:]
