@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   // decodes and loads one tile ahead. With cp.async, producer warps 1-3 see the slot through the
   // producer's own barrier. Named barriers (not mbarriers): compute-sanitizer's racecheck sees
   // the ordering.
-  constexpr int kTileFull = 5, kTileEmpty = 7, kProducerSync = 9;  // 0: __syncthreads; 1, 2: warpgroups; 3, 4: ping-pong
+  // Named barrier ids: 0 __syncthreads; 1, 2 the consumer warpgroups; 3, 4 ping-pong.
+  constexpr int kTileFull = 5, kTileEmpty = 7, kProducerSync = 9;
   const int handoff_threads = T::kThreads + 32;
   // Reader side of tile t: null when there is no more work.
   auto take_tile = [&](int t) -> const Tile* {
