@@ -2,7 +2,8 @@
 # On a GPU machine: the GPU tests, compute-sanitizer (memcheck + racecheck) on a representative
 # subset, the SASS checks (HGMMA in the kernels, no local memory) and the benchmark.
 #   BUILD=build-gpu tests/gpu/device_check.sh            (build first: cmake -B build-gpu && cmake --build build-gpu)
-# Env: BUILD (build dir), OUT (log dir), PEERS (all|core|none), STEPS (subset of "tests sanitize sass bench").
+# Env: BUILD (build dir), OUT (log dir), PEERS (all|core|none), STEPS (subset of "tests sanitize sass
+# bench compare"), COMPARE (other libbsattn_bench.so builds timed against this one, interleaved).
 set -u
 BUILD=${BUILD:-build-gpu}
 OUT=${OUT:-/tmp/bsattn-device-check}
@@ -45,6 +46,11 @@ if [[ " $STEPS " == *" bench "* ]]; then
   PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-400} python3 bench/gpu/bench_forward.py --lib "$LIB" --peers "$PEERS" --out "$OUT/bench.md" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^|" 
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ " $STEPS " == *" compare "* && -n "${COMPARE:-}" ]]; then
+  echo "== interleaved comparison: $LIB | $COMPARE"
+  PYTHONUNBUFFERED=1 timeout ${COMPARE_TIMEOUT:-300} python3 bench/gpu/bench_forward.py --lib "$LIB" --compare $COMPARE \
+    --peers none --only ${COMPARE_ONLY:-S32768,S16384} --rounds 6 2>&1 | tee "$OUT/compare.log" | grep -E "^S|MISMATCH|rror"
 fi
 if [[ " $STEPS " == *" variants "* ]]; then
   # The cp.async producer (no TMA) must stay correct; timing of the run-time variants.
