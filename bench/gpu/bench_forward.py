@@ -182,13 +182,17 @@ def reference_check():
     return ok
 
 
+def plan_args(kind, W):
+    """Ours(...) format, sparsity heads, causal and window_left of a configuration kind."""
+    return (1, HKV, False, -1) if kind == "random" else (0, 1, True, W - 1 if kind == "window" else -1)
+
+
 def compare_variants(name, S, D, bq, bk, kind, W, q, k, v, lse, cnt, idx, ref, out):
     """Median times of LIBS[0] and every --compare build, timed in interleaved rounds."""
-    fmt, hs, causal, wl = (1, HKV, False, -1) if kind == "random" else (0, 1, True, W - 1 if kind == "window" else -1)
     base = ref if ref is not None else out  # without peers: the variants against the main build
     runs = []
     for lib in LIBS:
-        o = Ours(S, D, bq, bk, fmt, hs, causal, wl, torch.bfloat16, lib)
+        o = Ours(S, D, bq, bk, *plan_args(kind, W), torch.bfloat16, lib)
         res = torch.full_like(out, float("nan"))
         o(q, k, v, res, lse, cnt, idx)
         o.check()
@@ -238,11 +242,10 @@ def main():
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
         if kind == "random":
             cnt, idx, kb = random_pattern(S, bq, bk, HKV, d, 7)
-            ours = Ours(S, D, bq, bk, 1, HKV, False, -1, torch.bfloat16)
         else:
             cnt = idx = None
             kb = 0
-            ours = Ours(S, D, bq, bk, 0, 1, True, W - 1 if kind == "window" else -1, torch.bfloat16)
+        ours = Ours(S, D, bq, bk, *plan_args(kind, W), torch.bfloat16)
         flops = 4.0 * D * pairs_of(kind, S, bq, bk, kb, W)
         run = lambda: ours(q, k, v, out, lse, cnt, idx)
         run()
