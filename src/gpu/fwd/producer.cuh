@@ -84,37 +84,39 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, int issued, b
     const int tok0 = p.varlen_kv ? static_cast<int>(tile.si.kv_base) : 0;
     const int bc = p.varlen_kv ? 0 : tile.b;
     constexpr unsigned kBytes = kBlockN * kHeadDim * sizeof(Element);
+    // One operand (K or V) of a route into `stage`: D/64 boxes of 64 x kBlockN.
+    const auto load = [&](Element* tiles, const CUtensorMap* map, std::uint64_t* full, std::uint64_t* empty,
+                          int stage, int phase, int token) {
+      Barrier::wait(&empty[stage], phase ^ 1);
+      arrive_expect_tx(&full[stage], kBytes);
+      CUTE_UNROLL
+      for (int c = 0; c < kHeadDim / 64; ++c)
+        tma_load_4d(tiles + (stage * kHeadDim + c * 64) * kBlockN, map, &full[stage], c * 64, token, hkv, bc);
+    };
     for (int i = 0; i < tile.count; ++i) {
       const int j = issued + i, stage = j % kStages, phase = (j / kStages) & 1;
-      const int k0 = tile.routes[i].index * p.tile_n;
-      Barrier::wait(&bars.empty_k[stage], phase ^ 1);
-      arrive_expect_tx(&bars.full_k[stage], kBytes);
-      CUTE_UNROLL
-      for (int c = 0; c < kHeadDim / 64; ++c)
-        tma_load_4d(st.k + (stage * kHeadDim + c * 64) * kBlockN, &desc.k, &bars.full_k[stage], c * 64,
-                    tok0 + k0, hkv, bc);
-      Barrier::wait(&bars.empty_v[stage], phase ^ 1);
-      arrive_expect_tx(&bars.full_v[stage], kBytes);
-      CUTE_UNROLL
-      for (int c = 0; c < kHeadDim / 64; ++c)
-        tma_load_4d(st.v + (stage * kHeadDim + c * 64) * kBlockN, &desc.v, &bars.full_v[stage], c * 64,
-                    tok0 + k0, hkv, bc);
+      const int token = tok0 + tile.routes[i].index * p.tile_n;
+      load(st.k, &desc.k, bars.full_k, bars.empty_k, stage, phase, token);
+      load(st.v, &desc.v, bars.full_v, bars.empty_v, stage, phase, token);
     }
   } else {
     const Element* kbase = static_cast<const Element*>(a.k) + a.kv_offset(tile.b, tile.si, 0, hkv, a.k_batch_stride,
                                                                          a.k_token_stride, a.k_head_stride);
     const Element* vbase = static_cast<const Element*>(a.v) + a.kv_offset(tile.b, tile.si, 0, hkv, a.v_batch_stride,
                                                                          a.v_token_stride, a.v_head_stride);
+    // One operand of a route into `stage`; each thread arrives once its own copies have landed.
+    const auto load = [&](auto is_v, const Element* base, std::int64_t token_stride, std::uint64_t* full,
+                          std::uint64_t* empty, int stage, int phase, int k0, int n_valid) {
+      Barrier::wait(&empty[stage], phase ^ 1);
+      produce_tile<T, decltype(is_v)::value>(st, base, token_stride, k0, n_valid, stage, ptid);
+      cp_async_arrive_noinc(&full[stage]);
+    };
     for (int i = 0; i < tile.count; ++i) {
       const int j = issued + i, stage = j % kStages, phase = (j / kStages) & 1;
       const int k0 = tile.routes[i].index * p.tile_n;
       const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
-      Barrier::wait(&bars.empty_k[stage], phase ^ 1);
-      produce_tile<T, false>(st, kbase, a.k_token_stride, k0, n_valid, stage, ptid);
-      cp_async_arrive_noinc(&bars.full_k[stage]);
-      Barrier::wait(&bars.empty_v[stage], phase ^ 1);
-      produce_tile<T, true>(st, vbase, a.v_token_stride, k0, n_valid, stage, ptid);
-      cp_async_arrive_noinc(&bars.full_v[stage]);
+      load(std::false_type{}, kbase, a.k_token_stride, bars.full_k, bars.empty_k, stage, phase, k0, n_valid);
+      load(std::true_type{}, vbase, a.v_token_stride, bars.full_v, bars.empty_v, stage, phase, k0, n_valid);
     }
   }
 }
