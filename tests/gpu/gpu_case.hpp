@@ -329,6 +329,12 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
   // Write the pattern in the problem's format.
   const int nKB = c->max_kv_blocks();
   auto emit_set = [&](const std::vector<std::vector<int>>& rows, BlockSet& host, BlockSet& dev) {
+    // One metadata tensor of the set, on both sides.
+    const auto attach = [&](TensorView BlockSet::*field, Buffer* buf) {
+      buf->upload();
+      host.*field = buf->view(Device::cpu);
+      dev.*field = buf->view(Device::cuda);
+    };
     switch (spec.format) {
       case Format::all_blocks: return;
       case Format::block_lists: {
@@ -337,14 +343,8 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
           cnt[r] = static_cast<std::int32_t>(rows[r].size());
           for (std::size_t i = 0; i < rows[r].size(); ++i) idx[r * nKB + i] = rows[r][i];
         }
-        Buffer* bc = c->add_values(DType::i32, cnt, {Bs, Hs, nQB});
-        Buffer* bi = c->add_values(DType::i32, idx, {Bs, Hs, nQB, nKB});
-        bc->upload();
-        bi->upload();
-        host.counts = bc->view(Device::cpu);
-        host.indices = bi->view(Device::cpu);
-        dev.counts = bc->view(Device::cuda);
-        dev.indices = bi->view(Device::cuda);
+        attach(&BlockSet::counts, c->add_values(DType::i32, cnt, {Bs, Hs, nQB}));
+        attach(&BlockSet::indices, c->add_values(DType::i32, idx, {Bs, Hs, nQB, nKB}));
         return;
       }
       case Format::varlen_block_lists: {
@@ -364,14 +364,8 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
               for (std::size_t i = 0; i < list.size(); ++i)
                 idx[static_cast<std::size_t>(h) * tn + cidx[b] + qb * c->kv_blocks(b) + i] = list[i];
             }
-        Buffer* bc = c->add_values(DType::i32, cnt, {Hs, tm});
-        Buffer* bi = c->add_values(DType::i32, idx, {Hs, tn});
-        bc->upload();
-        bi->upload();
-        host.counts = bc->view(Device::cpu);
-        host.indices = bi->view(Device::cpu);
-        dev.counts = bc->view(Device::cuda);
-        dev.indices = bi->view(Device::cuda);
+        attach(&BlockSet::counts, c->add_values(DType::i32, cnt, {Hs, tm}));
+        attach(&BlockSet::indices, c->add_values(DType::i32, idx, {Hs, tn}));
         return;
       }
       case Format::bsr: {
@@ -388,14 +382,8 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
           for (const auto& list : rows) push(list);
         }
         if (indices.empty()) indices.push_back(0);
-        Buffer* bp = c->add_values(DType::i32, indptr, {static_cast<std::int64_t>(indptr.size())});
-        Buffer* bi = c->add_values(DType::i32, indices, {static_cast<std::int64_t>(indices.size())});
-        bp->upload();
-        bi->upload();
-        host.indptr = bp->view(Device::cpu);
-        host.indices = bi->view(Device::cpu);
-        dev.indptr = bp->view(Device::cuda);
-        dev.indices = bi->view(Device::cuda);
+        attach(&BlockSet::indptr, c->add_values(DType::i32, indptr, {static_cast<std::int64_t>(indptr.size())}));
+        attach(&BlockSet::indices, c->add_values(DType::i32, indices, {static_cast<std::int64_t>(indices.size())}));
         return;
       }
       case Format::bitmask: {
@@ -424,9 +412,7 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
             for (int kb : rows[r]) words[r * W + kb / 32] |= 1u << (kb % 32);
           bw = c->add_values(DType::u32, words, {Bs, Hs, nQB, W});
         }
-        bw->upload();
-        host.bits = bw->view(Device::cpu);
-        dev.bits = bw->view(Device::cuda);
+        attach(&BlockSet::bits, bw);
         return;
       }
     }
