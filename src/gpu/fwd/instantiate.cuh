@@ -1,16 +1,27 @@
-// One (dtype, head dim) family of forward kernels: tile_m 64 or 128 (one or two consumer
-// warpgroups) by the compiled KV tile widths. Each family is one translation unit.
+// One (dtype, head dim) family of forward kernels: tile_m 128 (two consumer warpgroups), 64 (one)
+// and 64 with two packed query heads, by the compiled KV tile widths. Each family is one
+// translation unit.
 #pragma once
 #include "gpu/fwd/kernel_ws.cuh"
 
 namespace bsattn::gpu::fwd {
 
+// tile_m 64 runs two query heads per CTA (GQA packing) where the head grouping allows it. With
+// `a` null (plan time) every kernel the shape may take is configured.
 template <class Element, int kHeadDim, int kBlockN>
 cudaError_t run_family_n(const AttentionParams* a, int tile_m, std::int64_t kv_tokens, const int* overflow,
                          cudaStream_t stream) {
-  if (tile_m == 128) return launch_forward_ws<Traits<Element, kHeadDim, 2, kBlockN>>(a, kv_tokens, overflow, stream);
-  if (tile_m == 64) return launch_forward_ws<Traits<Element, kHeadDim, 1, kBlockN>>(a, kv_tokens, overflow, stream);
-  return cudaErrorInvalidValue;
+  using Rows128 = Traits<Element, kHeadDim, 2, kBlockN>;
+  using Rows64 = Traits<Element, kHeadDim, 1, kBlockN>;
+  using Rows64Packed = Traits<Element, kHeadDim, 2, kBlockN, 2>;
+  if (tile_m == 128) return launch_forward_ws<Rows128>(a, kv_tokens, overflow, stream);
+  if (tile_m != 64) return cudaErrorInvalidValue;
+  if (!a) {
+    const cudaError_t e = launch_forward_ws<Rows64>(nullptr, kv_tokens, overflow, stream);
+    return e != cudaSuccess ? e : launch_forward_ws<Rows64Packed>(nullptr, kv_tokens, overflow, stream);
+  }
+  if (packable_heads(a->route)) return launch_forward_ws<Rows64Packed>(a, kv_tokens, overflow, stream);
+  return launch_forward_ws<Rows64>(a, kv_tokens, overflow, stream);
 }
 
 }  // namespace bsattn::gpu::fwd

@@ -2,7 +2,8 @@
 // tiles (route row, query head) longest row first. Per tile, one producer warpgroup streams the K
 // and V tiles of the row's routes into shared memory (TMA or cp.async completing on mbarriers,
 // two stages each, K one route ahead of V; the pipeline runs on from tile to tile) while
-// kWarpgroups consumer warpgroups (64 query rows each) run S = Q K^T and O += P V with wgmma.
+// kWarpgroups consumer warpgroups (64 query rows each; with GQA packing the same rows of one
+// query head each) run S = Q K^T and O += P V with wgmma.
 // Registers move to the consumers (setmaxnreg). Consumers never wait for each other: each waits
 // on the stage barriers and releases the stages it read, so the two warpgroups drift apart and
 // their softmax phases interleave with the other's GEMMs. Within a consumer, S(i+1) is issued
@@ -64,7 +65,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   if (*overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
 
   const route::RouteParams& p = a.route;
-  const int items = work_items(a);
+  const int items = work_items(a, T::kHeadsPerTile);
   // TMA producer for the 128-wide tiles only: compiled into the 64-wide kernels too, it made
   // ptxas spill heavily in their consumer code.
   const bool tma = T::kBlockN == 128 && desc.tma;
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         if (t > 1) barrier_sync(kTileEmpty + (t & 1), handoff_threads);
         if (tid == 0) {
           Tile next;
-          if (claimed < items) next = decode_tile(a, claimed);
+          if (claimed < items) next = decode_tile(a, claimed, T::kHeadsPerTile);
           else next.row = -1;  // no more work
           sm.tile[t & 1] = next;
           if (claimed < items) claimed = next_item(a);
@@ -187,7 +188,10 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     const route::Route* routes = tile.routes;
     const int count = tile.count, base = consumed;
     consumed += count;
-    const int q_begin = tile.q0 + wg * 64;
+    // Without packing the warpgroups split the tile's rows; with it they take one head each.
+    const int tile_row0 = T::kHeadsPerTile == 1 ? wg * 64 : 0;
+    const int head = tile.head + (T::kHeadsPerTile == 1 ? 0 : wg);
+    const int q_begin = tile.q0 + tile_row0;
     unsigned present = 0;  // units of the tile that lie inside the sequence
     for (int u = 0; u * p.unit_m < T::kBlockM; ++u)
       if (tile.q0 + u * p.unit_m < si.seqlen_q) present |= 1u << u;
@@ -200,7 +204,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       for (int r0 = 0; r0 < 64; r0 += kRowsPerStep) {
         const int r = r0 + ltid / kChunks;
         const bool valid = q_begin + r < si.seqlen_q;
-        cp_async_16(&sQ(r, d), valid ? q + a.q_offset(tile.b, si, q_begin + r, tile.head) + d : q, valid);
+        cp_async_16(&sQ(r, d), valid ? q + a.q_offset(tile.b, si, q_begin + r, head) + d : q, valid);
       }
       cp_async_commit();
       cp_async_wait<0>();
@@ -218,7 +222,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       m.masked = rt.masked;
       if (rt.masked != 0 || (rt.rows & present) != present || m.n_valid < kBlockN) {
         m.q_begin = q_begin;
-        m.tile_row0 = wg * 64;
+        m.tile_row0 = tile_row0;
         m.unit_m = p.unit_m;
         m.template apply<kBlockN == 128>(s_rc, c_rc, a, si, tile.b);
       }
@@ -280,7 +284,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     softmax.finish(inv, lse, a.scale);
     scale_rows(o_rc, inv);
     store_output<kHeadDim>(o_rc, co_rc, lse, reinterpret_cast<char*>(st.q[wg]), a, si, tile.b,
-                           tile.head, q_begin, ltid, wg_barrier);
+                           head, q_begin, ltid, wg_barrier);
   }
 #endif
 }
@@ -292,7 +296,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, 
   using C = WsConfig<T>;
   auto kernel = forward_kernel_ws<T>;
   if (!a) return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
-  const int items = work_items(*a);
+  const int items = work_items(*a, T::kHeadsPerTile);
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;

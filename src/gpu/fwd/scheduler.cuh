@@ -1,5 +1,5 @@
-// Work order of the persistent kernel. A work item is (route row, query head of the row's
-// sparsity head); items are numbered longest row first (row_order, sorted on the device by route
+// Work order of the persistent kernel. A work item is (route row, query head(s) of the row's
+// sparsity head: one, or two with GQA packing); items are numbered longest row first (row_order, sorted on the device by route
 // count after route preparation) with the query heads of one row adjacent, so that heads sharing
 // K/V tiles run at the same time and meet in L2. Each CTA starts with item blockIdx.x and then
 // takes the next unclaimed item from a global counter: long rows start first and short ones fill
@@ -10,14 +10,20 @@
 
 namespace bsattn::gpu::fwd {
 
-__host__ __device__ __forceinline__ int work_items(const AttentionParams& a) {
-  return a.route_rows * (a.route.heads_q / a.route.sparsity_heads);
+__host__ __device__ __forceinline__ int work_items(const AttentionParams& a, int heads_per_tile) {
+  return a.route_rows * (a.route.heads_q / a.route.sparsity_heads / heads_per_tile);
+}
+
+// GQA packing applies when consecutive query-head pairs share both their sparsity head (same
+// routes) and their KV head (same K/V tiles).
+__host__ __device__ __forceinline__ bool packable_heads(const route::RouteParams& p) {
+  return (p.heads_q / p.sparsity_heads) % 2 == 0 && (p.heads_q / p.heads_kv) % 2 == 0;
 }
 
 // One work item, decoded: where its rows and routes are.
 struct Tile {
   int row;    // route row: (b * Hs + hs) * max_q_tiles + q_tile
-  int head;   // query head
+  int head;   // (first) query head
   int b;      // sequence
   int q0;     // first query row (sequence-local)
   int count;  // routes to walk (0 for a tile past the sequence end)
@@ -25,13 +31,14 @@ struct Tile {
   const route::Route* routes;
 };
 
-__device__ __forceinline__ Tile decode_tile(const AttentionParams& a, int item) {
+__device__ __forceinline__ Tile decode_tile(const AttentionParams& a, int item, int heads_per_tile) {
   const route::RouteParams& p = a.route;
   const int group = p.heads_q / p.sparsity_heads;
+  const int per_row = group / heads_per_tile;
   Tile t;
-  t.row = a.row_order[item / group];
+  t.row = a.row_order[item / per_row];
   const route::RowCoordinates rc = route::row_coordinates(p, t.row);
-  t.head = rc.hs * group + item % group;
+  t.head = rc.hs * group + (item % per_row) * heads_per_tile;
   t.b = rc.b;
   t.si = route::seq_info(p, rc.b);
   t.q0 = rc.q_tile * p.tile_m;

@@ -5,12 +5,16 @@
 
 namespace bsattn::gpu::fwd {
 
-template <class Element_, int kHeadDim_, int kWarpgroups_, int kBlockN_, int kStages_ = 2>
+// kHeadsPerTile 2 (GQA packing, two consumer warpgroups): each warpgroup takes the same 64
+// query rows of a different query head of one KV group, so both share every K/V tile load.
+template <class Element_, int kHeadDim_, int kWarpgroups_, int kBlockN_, int kHeadsPerTile_ = 1, int kStages_ = 2>
 struct Traits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kWarpgroups = kWarpgroups_;
-  static constexpr int kBlockM = 64 * kWarpgroups;  // query rows per CTA
+  static constexpr int kHeadsPerTile = kHeadsPerTile_;
+  static constexpr int kBlockM = 64 * kWarpgroups / kHeadsPerTile;  // query rows of the route tile
+  static_assert(kHeadsPerTile == 1 || kHeadsPerTile == kWarpgroups, "packing: one head per warpgroup");
   static constexpr int kBlockN = kBlockN_;          // KV tokens per route (the route's tile_n <= kBlockN)
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * kWarpgroups;
