@@ -66,9 +66,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
 
   const route::RouteParams& p = a.route;
   const int items = work_items(a, T::kHeadsPerTile);
-  // TMA producer for the 128-wide tiles only: compiled into the 64-wide kernels too, it made
-  // ptxas spill heavily in their consumer code.
-  const bool tma = T::kBlockN == 128 && desc.tma;
+  const bool tma = desc.tma;  // else the cp.async producer (paged KV later; BSATTN_GPU_NO_TMA)
   const int tid = threadIdx.x;
   const int role = __shfl_sync(0xffffffffu, tid / 128, 0);  // 0: producer; 1..: consumer warpgroups
   if (tid == 0) {
@@ -300,7 +298,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, 
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
-  desc.tma = T::kBlockN == 128 && !no_tma && encode_kv_maps<T>(*a, kv_tokens, desc) ? 1 : 0;
+  desc.tma = !no_tma && encode_kv_maps<T>(*a, kv_tokens, desc) ? 1 : 0;
   // Persistent: one CTA per multiprocessor (the kernel's shared memory allows no second one).
   // BSATTN_GPU_CTA_PER_TILE=1 launches one CTA per work item instead (measurement switch).
   int device = 0, sms = 0;
