@@ -48,7 +48,8 @@ struct WsConfig {
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
 };
 
-template <class T>
+// kTokenTensors: the mask policy (RouteMask::apply); the launch picks the kernel by problem.
+template <class T, bool kTokenTensors>
 __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     forward_kernel_ws(const __grid_constant__ AttentionParams a, const int* __restrict__ overflow,
                       const __grid_constant__ LaunchDescriptors desc) {
@@ -222,7 +223,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         m.q_begin = q_begin;
         m.tile_row0 = tile_row0;
         m.unit_m = p.unit_m;
-        m.template apply<kBlockN == 128>(s_rc, c_rc, a, si, tile.b);
+        m.template apply<kTokenTensors>(s_rc, c_rc, a, si, tile.b);
       }
       softmax.step(s_rc, rescale);
     };
@@ -292,8 +293,14 @@ template <class T>
 cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, const int* overflow,
                               cudaStream_t stream) {
   using C = WsConfig<T>;
-  auto kernel = forward_kernel_ws<T>;
-  if (!a) return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+  if (!a) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(forward_kernel_ws<T, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+    return e != cudaSuccess ? e
+                            : cudaFuncSetAttribute(forward_kernel_ws<T, true>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+  }
+  auto kernel = a->route.doc_q || a->route.kv_valid ? forward_kernel_ws<T, true> : forward_kernel_ws<T, false>;
   const int items = work_items(*a, T::kHeadsPerTile);
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};

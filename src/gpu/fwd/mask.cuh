@@ -20,14 +20,15 @@ struct RouteMask {
   int unit_m;
 
   // s: scores (rowcol view); c: their (row, col) coordinates in the 64 x N tile (same view).
-  // kPositional: take the positional fast path when the problem has no per-token mask tensors
-  // (the 64-wide kernels leave it out: with it, ptxas spilled heavily in their consumer code).
-  template <bool kPositional, class TS, class TC>
+  // kTokenTensors: the problem has document ids or KV validity bits, evaluated per element by
+  // route::token_visible; without them the positional path below runs. A kernel policy, not a
+  // run-time branch: compiled into one kernel, the per-element tensor path raised the register
+  // pressure of the whole main loop (spills everywhere, 15 KB in the 64-wide kernels).
+  template <bool kTokenTensors, class TS, class TC>
   __device__ __forceinline__ void apply(TS& s, const TC& c, const AttentionParams& a, const route::SeqInfo& si,
                                         int b) const {
-    const route::RouteParams& p = a.route;
-    if (kPositional && !p.doc_q && !p.kv_valid) {
-      apply_positional(s, c, p, si);
+    if constexpr (!kTokenTensors) {
+      apply_positional(s, c, a.route, si);
       return;
     }
     CUTE_UNROLL
