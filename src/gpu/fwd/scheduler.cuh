@@ -1,9 +1,9 @@
 // Work order of the persistent kernel. A work item is (route row, query head(s) of the row's
-// sparsity head: one, or two with GQA packing); items are numbered longest row first (row_order, sorted on the device by route
-// count after route preparation) with the query heads of one row adjacent, so that heads sharing
-// K/V tiles run at the same time and meet in L2. Each CTA starts with item blockIdx.x and then
-// takes the next unclaimed item from a global counter: long rows start first and short ones fill
-// the tail, whatever the sparsity pattern.
+// sparsity head: one, or two with GQA packing); items are numbered longest row first (row_order,
+// sorted on the device by route count after route preparation) with the query heads of one row
+// adjacent, so that heads sharing K/V tiles run at the same time and meet in L2. Each CTA starts
+// with item blockIdx.x and then takes the next unclaimed item from a global counter: long rows
+// start first and short ones fill the tail, whatever the sparsity pattern.
 #pragma once
 #include "bsattn/attention_params.hpp"
 #include "bsattn/route/prepare.hpp"
