@@ -19,6 +19,18 @@ struct RouteMask {
   unsigned masked;
   int unit_m;
 
+  // Row r of this warpgroup's tile: its query, whether its unit takes the route inside the
+  // sequence, and whether the unit needs the token mask.
+  struct Row {
+    int q;
+    bool takes, partial;
+  };
+  __device__ __forceinline__ Row row(int r, const route::SeqInfo& si) const {
+    const int q = q_begin + r;
+    const int unit = (tile_row0 + r) / unit_m;
+    return {q, ((rows >> unit) & 1u) && q < si.seqlen_q, ((masked >> unit) & 1u) != 0};
+  }
+
   // s: scores (rowcol view); c: their (row, col) coordinates in the 64 x N tile (same view).
   // kTokenTensors: the problem has document ids or KV validity bits, evaluated per element by
   // route::token_visible; without them the positional path below runs. A kernel policy, not a
@@ -33,11 +45,7 @@ struct RouteMask {
     }
     CUTE_UNROLL
     for (int i = 0; i < size<0>(s); ++i) {
-      const int r = get<0>(c(i, 0));
-      const int q = q_begin + r;
-      const int unit = (tile_row0 + r) / unit_m;
-      const bool takes = ((rows >> unit) & 1u) && q < si.seqlen_q;
-      const bool partial = (masked >> unit) & 1u;
+      const auto [q, takes, partial] = row(get<0>(c(i, 0)), si);
       CUTE_UNROLL
       for (int j = 0; j < size<1>(s); ++j) {
         const int col = get<1>(c(i, j));
@@ -57,11 +65,7 @@ struct RouteMask {
     constexpr int kBig = 0x3fffffff;
     CUTE_UNROLL
     for (int i = 0; i < size<0>(s); ++i) {
-      const int r = get<0>(c(i, 0));
-      const int q = q_begin + r;
-      const int unit = (tile_row0 + r) / unit_m;
-      const bool takes = ((rows >> unit) & 1u) && q < si.seqlen_q;
-      const bool partial = (masked >> unit) & 1u;
+      const auto [q, takes, partial] = row(get<0>(c(i, 0)), si);
       // Column bounds relative to k0: visible iff col < n_valid and
       // (col <= causal_hi) and ((lo <= col <= win_hi) or col < sink).
       const int diag = q + si.diag_offset - k0;
