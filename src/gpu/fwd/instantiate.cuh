@@ -6,14 +6,25 @@
 
 namespace bsattn::gpu::fwd {
 
-// tile_m 64 runs two query heads per CTA (GQA packing) where the head grouping allows it. With
-// `a` null (plan time) every kernel the shape may take is configured.
+// Where the head grouping allows it, tile_m 64 runs two query heads per CTA (GQA packing) and
+// tile_m 128 with 128-wide K/V tiles a CTA pair sharing its K/V loads (pair multicast). With `a`
+// null (plan time) every kernel the shape may take is configured.
 template <class Element, int kHeadDim, int kBlockN>
 cudaError_t run_family_n(const AttentionParams* a, int tile_m, std::int64_t kv_tokens, const int* overflow,
                          cudaStream_t stream) {
   using Rows128 = Traits<Element, kHeadDim, 2, kBlockN>;
   using Rows64 = Traits<Element, kHeadDim, 1, kBlockN>;
   using Rows64Packed = Traits<Element, kHeadDim, 2, kBlockN, 2>;
+  if constexpr (kBlockN == 128) {  // 128-wide K/V tiles: halves of 64 tokens per CTA
+    using Rows128Pair = Traits<Element, kHeadDim, 2, kBlockN, 1, 2, true>;
+    if (tile_m == 128 && !a) {
+      const cudaError_t e = launch_forward_ws<Rows128Pair>(nullptr, kv_tokens, overflow, stream);
+      if (e != cudaSuccess) return e;
+    } else if (tile_m == 128 && packable_heads(a->route)) {
+      const cudaError_t e = launch_forward_ws<Rows128Pair>(a, kv_tokens, overflow, stream);
+      if (e != cudaErrorNotSupported) return e;
+    }
+  }
   if (tile_m == 128) return launch_forward_ws<Rows128>(a, kv_tokens, overflow, stream);
   if (tile_m != 64) return cudaErrorInvalidValue;
   if (!a) {

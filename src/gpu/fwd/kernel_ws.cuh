@@ -66,7 +66,15 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   if (*overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
 
   const route::RouteParams& p = a.route;
-  const int items = work_items(a, T::kHeadsPerTile);
+  constexpr bool kPair = T::kPairMulticast;
+  const int items = work_items(a, T::kItemHeads);
+  // Pair multicast: both CTAs of the cluster walk the same items (cluster c: c, c + clusters, ...),
+  // so no claim is shared; every thread passes a cluster barrier before it leaves, as the peer may
+  // still write into this CTA's shared memory and barriers.
+  const int pair_rank = kPair ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
+  const auto leave = [&]() {
+    if constexpr (kPair) cluster_sync_threads();
+  };
   const bool tma = desc.tma;  // else the cp.async producer (paged KV later; BSATTN_GPU_NO_TMA)
   const int tid = threadIdx.x;
   const int role = __shfl_sync(0xffffffffu, tid / 128, 0);  // 0: producer; 1..: consumer warpgroups
@@ -75,12 +83,13 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&bars.full_k[s], tma ? 1 : C::kProducerThreads);
       Barrier::init(&bars.full_v[s], tma ? 1 : C::kProducerThreads);
-      Barrier::init(&bars.empty_k[s], C::kConsumerWarps);
-      Barrier::init(&bars.empty_v[s], C::kConsumerWarps);
+      Barrier::init(&bars.empty_k[s], C::kConsumerWarps * (kPair ? 2 : 1));  // both CTAs' consumers
+      Barrier::init(&bars.empty_v[s], C::kConsumerWarps * (kPair ? 2 : 1));
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kPair) cluster_sync_threads();  // the peer's barriers are initialised before any use
+  else __syncthreads();
   const bool warp_leader = (tid % 32) == 0;
   // Tile handoff: slot t % 2 holds this CTA's tile t. Producer warp 0 (its thread 0 claims and
   // decodes) writes the slot and arrives on kTileFull + slot; the consumers sync on it and read
@@ -104,18 +113,21 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   if (role == 0) {
     // ---------------------------------------------------------------- producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
-    if (tma && tid != 0) return;  // one thread issues the bulk tensor copies
-    int claimed = blockIdx.x;  // thread 0
+    if (tma && tid != 0) {  // one thread issues the bulk tensor copies
+      leave();
+      return;
+    }
+    int claimed = kPair ? blockIdx.x / 2 : blockIdx.x;  // thread 0
     int issued = 0;            // routes streamed so far: the pipeline position continues across tiles
     for (int t = 0;; ++t) {
       if (tid < 32) {
         if (t > 1) barrier_sync(kTileEmpty + (t & 1), handoff_threads);
         if (tid == 0) {
           Tile next;
-          if (claimed < items) next = decode_tile(a, claimed, T::kHeadsPerTile);
+          if (claimed < items) next = decode_tile(a, claimed, T::kItemHeads);
           else next.row = -1;  // no more work
           sm.tile[t & 1] = next;
-          if (claimed < items) claimed = next_item(a);
+          if (claimed < items) claimed = kPair ? claimed + static_cast<int>(gridDim.x) / 2 : next_item(a);
         }
         __syncwarp(tma ? 1u : 0xffffffffu);
         barrier_arrive(kTileFull + (t & 1), handoff_threads);
@@ -129,6 +141,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       issued += tile.count;
     }
     if (!tma) cp_async_wait<0>();
+    leave();
     return;
   }
 
@@ -167,7 +180,10 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     cutlass::arch::fence_view_async_shared();
   };
   auto release = [&](std::uint64_t* empty, int j) {
-    if (warp_leader) Barrier::arrive(&empty[j % kStages]);
+    if (warp_leader) {
+      Barrier::arrive(&empty[j % kStages]);
+      if constexpr (kPair) Barrier::arrive(&empty[j % kStages], 1 - pair_rank, 1u);  // the peer loads into us too
+    }
   };
 
   int consumed = 0;  // routes consumed so far (pipeline position, as the producer's `issued`)
@@ -189,7 +205,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     consumed += count;
     // Without packing the warpgroups split the tile's rows; with it they take one head each.
     const int tile_row0 = T::kHeadsPerTile == 1 ? wg * 64 : 0;
-    const int head = tile.head + (T::kHeadsPerTile == 1 ? 0 : wg);
+    const int head = tile.head + (T::kHeadsPerTile == 1 ? 0 : wg) + pair_rank;
     const int q_begin = tile.q0 + tile_row0;
     unsigned present = 0;  // units of the tile that lie inside the sequence
     for (int u = 0; u * p.unit_m < T::kBlockM; ++u)
@@ -285,10 +301,13 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     store_output<kHeadDim>(o_rc, co_rc, lse, reinterpret_cast<char*>(st.q[wg]), a, si, tile.b,
                            head, q_begin, ltid, wg_barrier);
   }
+  leave();
 #endif
 }
 
 // a == nullptr: only raises the kernel's shared-memory limit (plan time, outside any graph capture).
+// A pair-multicast kernel needs TMA: where the tensors cannot be mapped it returns
+// cudaErrorNotSupported and launches nothing (the caller takes the single-CTA kernel).
 template <class T>
 cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, const int* overflow,
                               cudaStream_t stream) {
@@ -301,7 +320,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, 
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   }
   auto kernel = a->route.doc_q || a->route.kv_valid ? forward_kernel_ws<T, true> : forward_kernel_ws<T, false>;
-  const int items = work_items(*a, T::kHeadsPerTile);
+  const int items = work_items(*a, T::kItemHeads);
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
@@ -313,8 +332,26 @@ cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, 
                                                    cudaSuccess)
     return cudaGetLastError();
   static const bool cta_per_tile = std::getenv("BSATTN_GPU_CTA_PER_TILE") != nullptr;
-  kernel<<<cta_per_tile ? items : std::min(items, sms), C::kThreads, C::kSmemBytes, stream>>>(*a, overflow, desc);
-  return cudaGetLastError();
+  if constexpr (T::kPairMulticast) {
+    if (!desc.tma) return cudaErrorNotSupported;
+    const int clusters = cta_per_tile ? items : std::min(items, sms / 2);
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(2 * clusters);
+    config.blockDim = dim3(C::kThreads);
+    config.dynamicSmemBytes = C::kSmemBytes;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, *a, overflow, desc);
+  } else {
+    kernel<<<cta_per_tile ? items : std::min(items, sms), C::kThreads, C::kSmemBytes, stream>>>(*a, overflow, desc);
+    return cudaGetLastError();
+  }
 }
 
 }  // namespace bsattn::gpu::fwd

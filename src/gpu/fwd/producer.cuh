@@ -56,6 +56,19 @@ __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, 
       : "memory");
 }
 
+// The same box into the same shared-memory offset of every CTA in `mask`, completing on the
+// barrier at the same offset in each.
+__device__ __forceinline__ void tma_load_4d_multicast(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0,
+                                                      int c1, int c2, int c3, std::uint16_t mask) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
+      "%4, %5, %6}], [%2], %7;\n" ::"r"(s),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(m), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "h"(mask)
+      : "memory");
+}
+
 __device__ __forceinline__ void arrive_expect_tx(std::uint64_t* bar, unsigned bytes) {
   const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(m), "r"(bytes) : "memory");
@@ -64,6 +77,25 @@ __device__ __forceinline__ void arrive_expect_tx(std::uint64_t* bar, unsigned by
 __device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(s) : "memory");
+}
+
+// One K or V tile of a route into `stage`: D/64 boxes of 64 x kBlockN (128-byte swizzle, the layout
+// the wgmma descriptors read). With pair multicast this CTA loads its half of the tokens (boxes of
+// 64 x kBlockN/2, 8 KB apart: the swizzle pattern is unchanged) into both CTAs of the pair.
+template <class T>
+__device__ __forceinline__ void load_operand(typename T::Element* base, const CUtensorMap* map, std::uint64_t* bar,
+                                             int stage, int token, int hkv, int batch) {
+  constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim;
+  CUTE_UNROLL
+  for (int c = 0; c < kHeadDim / 64; ++c) {
+    typename T::Element* dst = base + (stage * kHeadDim + c * 64) * kBlockN;
+    if constexpr (T::kPairMulticast) {
+      const int half = static_cast<int>(cute::block_rank_in_cluster()) * (kBlockN / 2);
+      tma_load_4d_multicast(dst + half * 64, map, bar, c * 64, token + half, hkv, batch, 0x3);
+    } else {
+      tma_load_4d(dst, map, bar, c * 64, token, hkv, batch);
+    }
+  }
 }
 
 // Streams the K and V tiles of one work tile's routes into the stages, from pipeline position
@@ -78,20 +110,17 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, int issued, b
   const route::RouteParams& p = a.route;
   const int hkv = tile.head / (p.heads_q / p.heads_kv);
   if (tma) {
-    // Per route and operand, D/64 boxes of 64 x kBlockN (128-byte swizzle, the layout the
-    // wgmma descriptors read). Tokens past the tensor are zero-filled; tokens past the
-    // sequence but inside the tensor are finite data that the route mask removes.
+    // Tokens past the tensor are zero-filled; tokens past the sequence but inside the tensor are
+    // finite data that the route mask removes.
     const int tok0 = p.varlen_kv ? static_cast<int>(tile.si.kv_base) : 0;
     const int bc = p.varlen_kv ? 0 : tile.b;
     constexpr unsigned kBytes = kBlockN * kHeadDim * sizeof(Element);
-    // One operand (K or V) of a route into `stage`: D/64 boxes of 64 x kBlockN.
+    // One operand (K or V) of a route into `stage` (load_operand).
     const auto load = [&](Element* tiles, const CUtensorMap* map, std::uint64_t* full, std::uint64_t* empty,
                           int stage, int phase, int token) {
       Barrier::wait(&empty[stage], phase ^ 1);
-      arrive_expect_tx(&full[stage], kBytes);
-      CUTE_UNROLL
-      for (int c = 0; c < kHeadDim / 64; ++c)
-        tma_load_4d(tiles + (stage * kHeadDim + c * 64) * kBlockN, map, &full[stage], c * 64, token, hkv, bc);
+      arrive_expect_tx(&full[stage], kBytes);  // the whole tile (with pair multicast both halves land here)
+      load_operand<T>(tiles, map, &full[stage], stage, token, hkv, bc);
     };
     for (int i = 0; i < tile.count; ++i) {
       const int j = issued + i, stage = j % kStages, phase = (j / kStages) & 1;
@@ -150,7 +179,7 @@ bool encode_kv_maps(const AttentionParams& a, std::int64_t kv_tokens, LaunchDesc
     if (reinterpret_cast<std::uintptr_t>(base) % 16 || strides[0] % 16 || strides[1] % 16 || strides[2] % 16 ||
         strides[2] == 0 || dims[1] == 0 || dims[1] > (std::uint64_t(1) << 31))
       return false;
-    cuuint32_t box[4] = {64, static_cast<cuuint32_t>(T::kBlockN), 1, 1};
+    cuuint32_t box[4] = {64, static_cast<cuuint32_t>(T::kPairMulticast ? T::kBlockN / 2 : T::kBlockN), 1, 1};
     cuuint32_t estr[4] = {1, 1, 1, 1};
     return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box, estr,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

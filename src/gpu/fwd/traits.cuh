@@ -7,12 +7,18 @@ namespace bsattn::gpu::fwd {
 
 // kHeadsPerTile 2 (GQA packing, two consumer warpgroups): each warpgroup takes the same 64
 // query rows of a different query head of one KV group, so both share every K/V tile load.
-template <class Element_, int kHeadDim_, int kWarpgroups_, int kBlockN_, int kHeadsPerTile_ = 1, int kStages_ = 2>
+// kPairMulticast (128-row tiles): a cluster of two CTAs takes a query-head pair of one KV group
+// on the same route row; each CTA's producer loads half of every K/V tile and multicasts it to
+// both, halving the L2 traffic per FLOP.
+template <class Element_, int kHeadDim_, int kWarpgroups_, int kBlockN_, int kHeadsPerTile_ = 1, int kStages_ = 2,
+          bool kPairMulticast_ = false>
 struct Traits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kWarpgroups = kWarpgroups_;
   static constexpr int kHeadsPerTile = kHeadsPerTile_;
+  static constexpr bool kPairMulticast = kPairMulticast_;
+  static constexpr int kItemHeads = kPairMulticast ? 2 : kHeadsPerTile;  // query heads per work item
   static constexpr int kBlockM = 64 * kWarpgroups / kHeadsPerTile;  // query rows of the route tile
   static_assert(kHeadsPerTile == 1 || kHeadsPerTile == kWarpgroups, "packing: one head per warpgroup");
   static constexpr int kBlockN = kBlockN_;          // KV tokens per route (the route's tile_n <= kBlockN)

@@ -66,6 +66,11 @@ __device__ __forceinline__ void barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Cluster-wide barrier, per thread (not .aligned: threads of a warp may arrive apart).
+__device__ __forceinline__ void cluster_sync_threads() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 // threadIdx.x through volatile asm: the compiler cannot hoist what is derived from it out of a loop.
 __device__ __forceinline__ int opaque_thread_index() {
   int t;
