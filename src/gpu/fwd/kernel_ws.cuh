@@ -69,8 +69,9 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   constexpr bool kPair = T::kPairMulticast;
   const int items = work_items(a, T::kItemHeads);
   // Pair multicast: both CTAs of the cluster walk the same items (cluster c: c, c + clusters, ...),
-  // so no claim is shared; every thread passes a cluster barrier before it leaves, as the peer may
-  // still write into this CTA's shared memory and barriers.
+  // so no claim is shared; the threads still running at the end pass a cluster barrier before they
+  // leave (it waits for non-exited threads only), as the peer may still write into this CTA's
+  // shared memory and barriers.
   const int pair_rank = kPair ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
   const auto leave = [&]() {
     if constexpr (kPair) cluster_sync_threads();
@@ -113,10 +114,9 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   if (role == 0) {
     // ---------------------------------------------------------------- producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
-    if (tma && tid != 0) {  // one thread issues the bulk tensor copies
-      leave();
-      return;
-    }
+    // One thread issues the bulk tensor copies. The others exit rather than wait in leave(): a
+    // live lane of warp 0 that skips the tile-handoff bar.arrive would stall that barrier.
+    if (tma && tid != 0) return;
     int claimed = kPair ? blockIdx.x / 2 : blockIdx.x;  // thread 0
     int issued = 0;            // routes streamed so far: the pipeline position continues across tiles
     for (int t = 0;; ++t) {
