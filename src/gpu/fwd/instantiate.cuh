@@ -16,7 +16,10 @@ cudaError_t run_family_n(const AttentionParams* a, int tile_m, std::int64_t kv_t
   using Rows64 = Traits<Element, kHeadDim, 1, kBlockN>;
   using Rows64Packed = Traits<Element, kHeadDim, 2, kBlockN, 2>;
   if constexpr (kBlockN == 128) {  // 128-wide K/V tiles: halves of 64 tokens per CTA
-    using Rows128Pair = Traits<Element, kHeadDim, 2, kBlockN, 1, 2, true>;
+    // Three stages where they fit (D <= 128: 224 KB): the pair advances in lockstep and needs the
+    // slack (measured 0.93-0.98x the single-CTA kernel with two stages, 1.00-1.06x with three;
+    // the single-CTA kernel itself lost 4-7 % with three).
+    using Rows128Pair = Traits<Element, kHeadDim, 2, kBlockN, 1, kHeadDim <= 128 ? 3 : 2, true>;
     if (tile_m == 128 && !a) {
       const cudaError_t e = launch_forward_ws<Rows128Pair>(nullptr, kv_tokens, overflow, stream);
       if (e != cudaSuccess) return e;

@@ -123,10 +123,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       if (tid < 32) {
         if (t > 1) barrier_sync(kTileEmpty + (t & 1), handoff_threads);
         if (tid == 0) {
-          Tile next;
-          if (claimed < items) next = decode_tile(a, claimed, T::kItemHeads);
-          else next.row = -1;  // no more work
-          sm.tile[t & 1] = next;
+          if (claimed < items) decode_tile(a, claimed, T::kItemHeads, sm.tile[t & 1]);
+          else sm.tile[t & 1].row = -1;  // no more work
           if (claimed < items) claimed = kPair ? claimed + static_cast<int>(gridDim.x) / 2 : next_item(a);
         }
         __syncwarp(tma ? 1u : 0xffffffffu);
@@ -334,19 +332,24 @@ cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, 
   static const bool cta_per_tile = std::getenv("BSATTN_GPU_CTA_PER_TILE") != nullptr;
   if constexpr (T::kPairMulticast) {
     if (!desc.tma) return cudaErrorNotSupported;
-    const int clusters = cta_per_tile ? items : std::min(items, sms / 2);
     cudaLaunchAttribute cluster{};
     cluster.id = cudaLaunchAttributeClusterDimension;
     cluster.val.clusterDim.x = 2;
     cluster.val.clusterDim.y = 1;
     cluster.val.clusterDim.z = 1;
     cudaLaunchConfig_t config{};
-    config.gridDim = dim3(2 * clusters);
+    config.gridDim = dim3(sms);
     config.blockDim = dim3(C::kThreads);
     config.dynamicSmemBytes = C::kSmemBytes;
     config.stream = stream;
     config.attrs = &cluster;
     config.numAttrs = 1;
+    // Items are assigned statically per cluster: a cluster waiting for a free pair of
+    // multiprocessors would run its whole share after the others, so launch as many clusters as
+    // fit at once (a host-side query; 66 pairs on the H200's 132 multiprocessors).
+    int resident = 0;
+    if (cudaOccupancyMaxActiveClusters(&resident, kernel, &config) != cudaSuccess || resident < 1) resident = sms / 2;
+    config.gridDim = dim3(2 * (cta_per_tile ? items : std::min(items, resident)));
     return cudaLaunchKernelEx(&config, kernel, *a, overflow, desc);
   } else {
     kernel<<<cta_per_tile ? items : std::min(items, sms), C::kThreads, C::kSmemBytes, stream>>>(*a, overflow, desc);

@@ -31,20 +31,23 @@ struct Tile {
   const route::Route* routes;
 };
 
-__device__ __forceinline__ Tile decode_tile(const AttentionParams& a, int item, int heads_per_tile) {
+// Written field by field into the shared slot `t` as each is known: built in registers first, the
+// whole tile stayed live in the 40-register producer and spilled.
+__device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, int heads_per_tile, Tile& t) {
   const route::RouteParams& p = a.route;
   const int group = p.heads_q / p.sparsity_heads;
   const int per_row = group / heads_per_tile;
-  Tile t;
-  t.row = a.row_order[item / per_row];
-  const route::RowCoordinates rc = route::row_coordinates(p, t.row);
+  const int row = a.row_order[item / per_row];
+  t.row = row;
+  t.routes = a.routes + static_cast<std::int64_t>(row) * p.capacity;
+  const route::RowCoordinates rc = route::row_coordinates(p, row);
   t.head = rc.hs * group + (item % per_row) * heads_per_tile;
   t.b = rc.b;
-  t.si = route::seq_info(p, rc.b);
-  t.q0 = rc.q_tile * p.tile_m;
-  t.count = t.q0 < t.si.seqlen_q ? a.route_counts[t.row] : 0;
-  t.routes = a.routes + static_cast<std::int64_t>(t.row) * p.capacity;
-  return t;
+  const int q0 = rc.q_tile * p.tile_m;
+  t.q0 = q0;
+  const route::SeqInfo si = route::seq_info(p, rc.b);
+  t.si = si;
+  t.count = q0 < si.seqlen_q ? a.route_counts[row] : 0;
 }
 
 // The next item for this CTA after `current` (the first is blockIdx.x).
