@@ -248,10 +248,12 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
       release(bars.empty_k, base);
-      float rescale[kRows];
-      mask_softmax(routes[0], rescale);  // O is still zero: nothing to rescale
+      float rescale[kRows];  // of the last softmax: O takes it just before the next PV
+      mask_softmax(routes[0], rescale);
       convert_p();
-      // Steady state: S(i+1) and PV(i) in flight together, the softmax of i+1 under PV(i).
+      // Steady state: S(i+1) and PV(i) in flight together, the softmax of i+1 under PV(i); O
+      // takes the rescale of softmax i while S(i+1) runs (PV(i-1) is complete), not between
+      // PV(i) completing and the next GEMMs, where this warpgroup has nothing in flight.
       // Ping-pong (two consumer warpgroups): a warpgroup issues its two GEMMs only after the
       // other one issued its own, so one warpgroup's softmax runs under the other's GEMMs.
       if constexpr (kPingPong) {
@@ -266,6 +268,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         wait_full(bars.full_k, j + 1);
         if constexpr (kPingPong) barrier_sync(kSchedBarrier0 + wg, 256);
         wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, (j + 1) % kStages), tSrS);
+        scale_rows(o_rc, rescale);
         wait_full(bars.full_v, j);
         wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, j % kStages), tOrO);
         if constexpr (kPingPong) barrier_arrive(kSchedBarrier0 + (1 - wg), 256);
@@ -277,7 +280,6 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         warpgroup_fence_operand(tOrO);
         warpgroup_fence_operand(tOrP);
         release(bars.empty_v, j);
-        scale_rows(o_rc, rescale);
         convert_p();
       }
       // Balance the ping-pong barriers (the first arrive, or the other warpgroup's last one).
@@ -286,6 +288,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       }
       // Last PV.
       const int last = base + count - 1;
+      scale_rows(o_rc, rescale);
       wait_full(bars.full_v, last);
       wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, last % kStages), tOrO);
       warpgroup_wait<0>();
