@@ -199,8 +199,9 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     Tensor co_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
     const route::SeqInfo& si = tile.si;
     const route::Route* routes = tile.routes;
+    // The pipeline position advances after the tile's last route (consumed = last + 1 below):
+    // advanced here, base and consumed were both live across the route loop and one spilled.
     const int count = tile.count, base = consumed;
-    consumed += count;
     // Without packing the warpgroups split the tile's rows; with it they take one head each.
     const int tile_row0 = T::kHeadsPerTile == 1 ? wg * 64 : 0;
     const int head = tile.head + (T::kHeadsPerTile == 1 ? 0 : wg) + pair_rank;
@@ -294,6 +295,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
       release(bars.empty_v, last);
+      consumed = last + 1;
     }
 
     float inv[kRows], lse[kRows];
