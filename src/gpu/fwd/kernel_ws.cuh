@@ -7,8 +7,9 @@
 // Registers move to the consumers (setmaxnreg). Consumers never wait for each other: each waits
 // on the stage barriers and releases the stages it read, so the two warpgroups drift apart and
 // their softmax phases interleave with the other's GEMMs. Within a consumer, S(i+1) is issued
-// before PV(i), so the softmax of route i+1 overlaps PV(i). The epilogue goes through shared
-// memory while the producer already loads the next tile.
+// before PV(i); ptxas places the softmax of route i+1 after the wait for PV(i) (pinning it
+// before the wait measured slower), so the overlap is between the two warpgroups. The epilogue
+// goes through shared memory while the producer already loads the next tile.
 #pragma once
 
 #include <cstdlib>
@@ -252,9 +253,9 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       float rescale[kRows];  // of the last softmax: O takes it just before the next PV
       mask_softmax(routes[0], rescale);
       convert_p();
-      // Steady state: S(i+1) and PV(i) in flight together, the softmax of i+1 under PV(i); O
-      // takes the rescale of softmax i while S(i+1) runs (PV(i-1) is complete), not between
-      // PV(i) completing and the next GEMMs, where this warpgroup has nothing in flight.
+      // Steady state: S(i+1) and PV(i) in flight together; O takes the rescale of softmax i
+      // while S(i+1) runs (PV(i-1) is complete), not between PV(i) completing and the next
+      // GEMMs, where this warpgroup has nothing in flight.
       // Ping-pong (two consumer warpgroups): a warpgroup issues its two GEMMs only after the
       // other one issued its own, so one warpgroup's softmax runs under the other's GEMMs.
       if constexpr (kPingPong) {
