@@ -69,10 +69,9 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   const route::RouteParams& p = a.route;
   constexpr bool kPair = T::kPairMulticast;
   const int items = work_items(a, T::kItemHeads);
-  // Pair multicast: both CTAs of the cluster walk the same items (cluster c: c, c + clusters, ...),
-  // so no claim is shared; the threads still running at the end pass a cluster barrier before they
-  // leave (it waits for non-exited threads only), as the peer may still write into this CTA's
-  // shared memory and barriers.
+  // Pair multicast: both CTAs of the cluster walk the same items (scheduler.cuh); the threads
+  // still running at the end pass a cluster barrier before they leave (it waits for non-exited
+  // threads only), as the peer may still write into this CTA's shared memory and barriers.
   const int pair_rank = kPair ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
   const auto leave = [&]() {
     if constexpr (kPair) cluster_sync_threads();
@@ -118,7 +117,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     // One thread issues the bulk tensor copies. The others exit rather than wait in leave(): a
     // live lane of warp 0 that skips the tile-handoff bar.arrive would stall that barrier.
     if (tma && tid != 0) return;
-    int claimed = kPair ? blockIdx.x / 2 : blockIdx.x;  // thread 0
+    int claimed = first_item<kPair>();  // thread 0
     int issued = 0;            // routes streamed so far: the pipeline position continues across tiles
     for (int t = 0;; ++t) {
       if (tid < 32) {
@@ -126,7 +125,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         if (tid == 0) {
           if (claimed < items) decode_tile(a, claimed, T::kItemHeads, sm.tile[t & 1]);
           else sm.tile[t & 1].row = -1;  // no more work
-          if (claimed < items) claimed = kPair ? claimed + static_cast<int>(gridDim.x) / 2 : next_item(a);
+          if (claimed < items) claimed = next_item<kPair>(a, claimed);
         }
         __syncwarp(tma ? 1u : 0xffffffffu);
         barrier_arrive(kTileFull + (t & 1), handoff_threads);

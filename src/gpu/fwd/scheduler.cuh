@@ -1,9 +1,11 @@
 // Work order of the persistent kernel. A work item is (route row, query head(s) of the row's
-// sparsity head: one, or two with GQA packing); items are numbered longest row first (row_order,
-// sorted on the device by route count after route preparation) with the query heads of one row
-// adjacent, so that heads sharing K/V tiles run at the same time and meet in L2. Each CTA starts
-// with item blockIdx.x and then takes the next unclaimed item from a global counter: long rows
-// start first and short ones fill the tail, whatever the sparsity pattern.
+// sparsity head: one, or two with GQA packing or a CTA pair); items are numbered longest row
+// first (row_order, sorted on the device by route count after route preparation) with the query
+// heads of one row adjacent, so that heads sharing K/V tiles run at the same time and meet in L2.
+// A CTA starts with item blockIdx.x and then takes the next unclaimed item from a global counter:
+// long rows start first and short ones fill the tail, whatever the sparsity pattern. The two CTAs
+// of a pair must walk the same items, so clusters take a static share instead (cluster c: items
+// c, c + clusters, ...; round robin over the longest-first order).
 #pragma once
 #include "bsattn/attention_params.hpp"
 #include "bsattn/route/prepare.hpp"
@@ -50,9 +52,15 @@ __device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, 
   t.count = q0 < si.seqlen_q ? a.route_counts[row] : 0;
 }
 
-// The next item for this CTA after `current` (the first is blockIdx.x).
-__device__ __forceinline__ int next_item(const AttentionParams& a) {
-  return atomicAdd(a.work_counter, 1) + static_cast<int>(gridDim.x);
+// This CTA's first item, and the one after `current`.
+template <bool kPair>
+__device__ __forceinline__ int first_item() {
+  return kPair ? static_cast<int>(blockIdx.x) / 2 : static_cast<int>(blockIdx.x);
+}
+template <bool kPair>
+__device__ __forceinline__ int next_item(const AttentionParams& a, int current) {
+  if constexpr (kPair) return current + static_cast<int>(gridDim.x) / 2;
+  else return atomicAdd(a.work_counter, 1) + static_cast<int>(gridDim.x);
 }
 
 }  // namespace bsattn::gpu::fwd
