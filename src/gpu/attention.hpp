@@ -11,8 +11,8 @@ namespace bsattn::gpu {
 // or 0 if this build has no kernel for (dtype, head_dim, tile_m, tile_n).
 int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile_n);
 
-// Raises the shared-memory limit of the kernel that serves this shape (plan time: not a stream
-// operation, so run() stays capturable).
+// Raises the shared-memory limit of the kernels that serve this shape and records how many CTA
+// pairs fit on the current device (plan time: not a stream operation, so run() stays capturable).
 cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n);
 
 // Launches the forward kernel for params (device pointers; routes and counts prepared).

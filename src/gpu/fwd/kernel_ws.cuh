@@ -12,6 +12,7 @@
 // goes through shared memory while the producer already loads the next tile.
 #pragma once
 
+#include <atomic>
 #include <cstdlib>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -308,19 +309,65 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
 #endif
 }
 
-// a == nullptr: only raises the kernel's shared-memory limit (plan time, outside any graph capture).
+// Launch configuration of a CTA-pair kernel (cluster dimension 2) with `ctas` blocks.
+template <class T>
+struct PairLaunch {
+  cudaLaunchAttribute cluster{};
+  cudaLaunchConfig_t config{};
+  PairLaunch(const PairLaunch&) = delete;  // config.attrs points into this object
+  PairLaunch(int ctas, cudaStream_t stream) {
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.gridDim = dim3(ctas);
+    config.blockDim = dim3(WsConfig<T>::kThreads);
+    config.dynamicSmemBytes = WsConfig<T>::kSmemBytes;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+  }
+};
+
+// CTA pairs of kernel T that fit on `device` at once (both mask policies use the same resources).
+// Items are assigned statically per cluster, and a cluster waiting for a free pair of
+// multiprocessors would run its whole share after the others, so the grid holds this many. A
+// host-side occupancy query, made at plan time and kept per device (66 on the H200).
+constexpr int kMaxDevices = 64;  // devices whose answer is kept (others query at each launch)
+template <class T>
+int resident_pairs(int device, int sms) {
+  static std::atomic<int> known[kMaxDevices] = {};  // 0: not queried yet
+  if (device < kMaxDevices && known[device].load(std::memory_order_relaxed) > 0)
+    return known[device].load(std::memory_order_relaxed);
+  PairLaunch<T> launch(sms, nullptr);
+  int pairs = 0;
+  if (cudaOccupancyMaxActiveClusters(&pairs, forward_kernel_ws<T, false>, &launch.config) != cudaSuccess || pairs < 1) {
+    cudaGetLastError();  // not sticky: fall back to one pair per two multiprocessors
+    pairs = sms / 2;
+  }
+  if (device < kMaxDevices) known[device].store(pairs, std::memory_order_relaxed);
+  return pairs;
+}
+
+// a == nullptr: only raises the kernel's shared-memory limit and, for a pair kernel, queries how
+// many pairs fit (plan time, outside any graph capture).
 // A pair-multicast kernel needs TMA: where the tensors cannot be mapped it returns
 // cudaErrorNotSupported and launches nothing (the caller takes the single-CTA kernel).
 template <class T>
 cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, const int* overflow,
                               cudaStream_t stream) {
   using C = WsConfig<T>;
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
+                                                   cudaSuccess)
+    return cudaGetLastError();
   if (!a) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(forward_kernel_ws<T, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
-    return e != cudaSuccess ? e
-                            : cudaFuncSetAttribute(forward_kernel_ws<T, true>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+    for (auto kernel : {forward_kernel_ws<T, false>, forward_kernel_ws<T, true>}) {
+      const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+      if (e != cudaSuccess) return e;
+    }
+    if constexpr (T::kPairMulticast) (void)resident_pairs<T>(device, sms);
+    return cudaSuccess;
   }
   auto kernel = a->route.doc_q || a->route.kv_valid ? forward_kernel_ws<T, true> : forward_kernel_ws<T, false>;
   const int items = work_items(*a, T::kItemHeads);
@@ -330,32 +377,11 @@ cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, 
   desc.tma = !no_tma && encode_kv_maps<T>(*a, kv_tokens, desc) ? 1 : 0;
   // Persistent: one CTA per multiprocessor (the kernel's shared memory allows no second one).
   // BSATTN_GPU_CTA_PER_TILE=1 launches one CTA per work item instead (measurement switch).
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
-                                                   cudaSuccess)
-    return cudaGetLastError();
   static const bool cta_per_tile = std::getenv("BSATTN_GPU_CTA_PER_TILE") != nullptr;
   if constexpr (T::kPairMulticast) {
     if (!desc.tma) return cudaErrorNotSupported;
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 2;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(sms);
-    config.blockDim = dim3(C::kThreads);
-    config.dynamicSmemBytes = C::kSmemBytes;
-    config.stream = stream;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    // Items are assigned statically per cluster: a cluster waiting for a free pair of
-    // multiprocessors would run its whole share after the others, so launch as many clusters as
-    // fit at once (a host-side query; 66 pairs on the H200's 132 multiprocessors).
-    int resident = 0;
-    if (cudaOccupancyMaxActiveClusters(&resident, kernel, &config) != cudaSuccess || resident < 1) resident = sms / 2;
-    config.gridDim = dim3(2 * (cta_per_tile ? items : std::min(items, resident)));
-    return cudaLaunchKernelEx(&config, kernel, *a, overflow, desc);
+    PairLaunch<T> launch(2 * (cta_per_tile ? items : std::min(items, resident_pairs<T>(device, sms))), stream);
+    return cudaLaunchKernelEx(&launch.config, kernel, *a, overflow, desc);
   } else {
     kernel<<<cta_per_tile ? items : std::min(items, sms), C::kThreads, C::kSmemBytes, stream>>>(*a, overflow, desc);
     return cudaGetLastError();
