@@ -144,11 +144,13 @@ TEST(GpuForward, DtypesHeadDimsAndBlocks) {
 
 // Many more work items than multiprocessors, with route counts that differ from row to row:
 // persistent CTAs walk several tiles each (pipeline state and the Q / output staging buffer carry
-// over from tile to tile), in the longest-first order.
+// over from tile to tile), in the longest-first order. Cases 0-3: 64-row tiles (GQA packing);
+// 4-5: 128 x 128 blocks with query-head pairs sharing routes and KV head, i.e. the CTA-pair
+// kernel walking its static per-cluster share (hundreds of pair items for ~66 clusters).
 TEST(GpuForward, PersistentManyTiles) {
   REQUIRE_SM90();
   std::uint64_t seed = 7000;
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 6; ++i) {
     CaseSpec spec;
     spec.format = kSweeps[1 + i].format;
     spec.varlen = kSweeps[1 + i].varlen;
@@ -156,11 +158,12 @@ TEST(GpuForward, PersistentManyTiles) {
     spec.hq = 16;
     spec.hkv = 4;
     spec.head_dim = i % 2 ? 64 : 128;
-    spec.bq = 64;
-    spec.bk = 64;
-    spec.max_seqlen = 900;
+    spec.bq = i < 4 ? 64 : 128;
+    spec.bk = i < 4 ? 64 : 128;
+    if (i >= 4) spec.sparsity_heads = 4;  // Hq / Hs = 4: head pairs share their routes
+    spec.max_seqlen = i < 4 ? 900 : 1800;
     spec.density = 0.3;
-    spec.mask = i;
+    spec.mask = i < 4 ? i : (i == 4 ? 1 : 4);  // the pair with the positional and the token-tensor mask
     spec.out_f32 = i == 3;
     spec.seed = seed++;
     check_case(spec);
