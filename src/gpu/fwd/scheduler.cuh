@@ -4,8 +4,10 @@
 // heads of one row adjacent, so that heads sharing K/V tiles run at the same time and meet in L2.
 // A CTA starts with item blockIdx.x and then takes the next unclaimed item from a global counter:
 // long rows start first and short ones fill the tail, whatever the sparsity pattern. The two CTAs
-// of a pair must walk the same items, so clusters take a static share instead (cluster c: items
-// c, c + clusters, ...; round robin over the longest-first order).
+// of a pair must walk the same items, so clusters take a static share instead: the longest-first
+// order is cut into groups of `clusters` items and cluster c takes the c-th item of even groups and
+// the c-th from the end of odd ones (a plain round robin gave the first clusters the longest item of
+// every group).
 #pragma once
 #include "bsattn/attention_params.hpp"
 #include "bsattn/route/prepare.hpp"
@@ -59,8 +61,13 @@ __device__ __forceinline__ int first_item() {
 }
 template <bool kPair>
 __device__ __forceinline__ int next_item(const AttentionParams& a, int current) {
-  if constexpr (kPair) return current + static_cast<int>(gridDim.x) / 2;
-  else return atomicAdd(a.work_counter, 1) + static_cast<int>(gridDim.x);
+  if constexpr (kPair) {
+    const int clusters = static_cast<int>(gridDim.x) / 2, c = static_cast<int>(blockIdx.x) / 2;
+    const int group = current / clusters + 1;
+    return group * clusters + (group % 2 == 0 ? c : clusters - 1 - c);
+  } else {
+    return atomicAdd(a.work_counter, 1) + static_cast<int>(gridDim.x);
+  }
 }
 
 }  // namespace bsattn::gpu::fwd
