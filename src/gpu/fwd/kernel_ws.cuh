@@ -69,7 +69,6 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
 
   const route::RouteParams& p = a.route;
   constexpr bool kPair = T::kPairMulticast;
-  const int items = work_items(a, T::kItemHeads);
   // Pair multicast: both CTAs of the cluster walk the same items (scheduler.cuh); the threads
   // still running at the end pass a cluster barrier before they leave (it waits for non-exited
   // threads only), as the peer may still write into this CTA's shared memory and barriers.
@@ -119,14 +118,16 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     // live lane of warp 0 that skips the tile-handoff bar.arrive would stall that barrier.
     if (tma && tid != 0) return;
     int claimed = first_item<kPair>();  // thread 0
-    int issued = 0;            // routes streamed so far: the pipeline position continues across tiles
     for (int t = 0;; ++t) {
       if (tid < 32) {
         if (t > 1) barrier_sync(kTileEmpty + (t & 1), handoff_threads);
         if (tid == 0) {
-          if (claimed < items) decode_tile(a, claimed, T::kItemHeads, sm.tile[t & 1]);
+          // The pipeline position continues across tiles; kept in the slots (the previous tile's is
+          // still there), not in a register of the 40-register producer, where it spilled.
+          const Tile& prev = sm.tile[(t - 1) & 1];
+          if (claimed < desc.items) decode_tile(a, claimed, T::kItemHeads, t == 0 ? 0 : prev.first + prev.count, sm.tile[t & 1]);
           else sm.tile[t & 1].row = -1;  // no more work
-          if (claimed < items) claimed = next_item<kPair>(a, claimed);
+          if (claimed < desc.items) claimed = next_item<kPair>(a, claimed);
         }
         __syncwarp(tma ? 1u : 0xffffffffu);
         barrier_arrive(kTileFull + (t & 1), handoff_threads);
@@ -136,8 +137,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       if (!tma) barrier_sync(kProducerSync, C::kProducerThreads);
       const Tile& tile = sm.tile[t & 1];
       if (tile.row < 0) break;
-      load_tile_routes<T>(tile, issued, tma, a, desc, st, bars, tid);
-      issued += tile.count;
+      load_tile_routes<T>(tile, tma, a, desc, st, bars, tid);
     }
     if (!tma) cp_async_wait<0>();
     leave();
@@ -185,7 +185,6 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     }
   };
 
-  int consumed = 0;  // routes consumed so far (pipeline position, as the producer's `issued`)
   for (int t = 0;; ++t) {
     const Tile* slot = take_tile(t);
     if (!slot) break;
@@ -200,9 +199,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     Tensor co_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
     const route::SeqInfo& si = tile.si;
     const route::Route* routes = tile.routes;
-    // The pipeline position advances after the tile's last route (consumed = last + 1 below):
-    // advanced here, base and consumed were both live across the route loop and one spilled.
-    const int count = tile.count, base = consumed;
+    const int count = tile.count, base = tile.first;  // pipeline position of the first route
     // Without packing the warpgroups split the tile's rows; with it they take one head each.
     const int tile_row0 = T::kHeadsPerTile == 1 ? wg * 64 : 0;
     const int head = tile.head + (T::kHeadsPerTile == 1 ? 0 : wg) + pair_rank;
@@ -296,7 +293,6 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
       release(bars.empty_v, last);
-      consumed = last + 1;
     }
 
     float inv[kRows], lse[kRows];
@@ -373,6 +369,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, 
   const int items = work_items(*a, T::kItemHeads);
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};
+  desc.items = items;
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
   desc.tma = !no_tma && encode_kv_maps<T>(*a, kv_tokens, desc) ? 1 : 0;
   // Persistent: one CTA per multiprocessor (the kernel's shared memory allows no second one).

@@ -38,11 +38,13 @@ __device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, cons
   }
 }
 
-// Bulk tensor (TMA) maps of K and V as 4-D tensors (D, tokens, heads, batch); `tma` 0: the
-// producer falls back to cp.async (per-token addressing).
+// What the launch derives for the kernel: bulk tensor (TMA) maps of K and V as 4-D tensors (D,
+// tokens, heads, batch; `tma` 0: the producer falls back to cp.async, per-token addressing) and
+// the number of work items (a kernel parameter rather than a division kept in a register).
 struct LaunchDescriptors {
   CUtensorMap k, v;
   int tma;
+  int items;
 };
 
 __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1,
@@ -98,10 +100,10 @@ __device__ __forceinline__ void load_operand(typename T::Element* base, const CU
   }
 }
 
-// Streams the K and V tiles of one work tile's routes into the stages, from pipeline position
-// `issued` on. TMA: thread 0 alone; cp.async: the 128 producer threads (ptid).
+// Streams the K and V tiles of one work tile's routes into the stages, from the tile's pipeline
+// position on. TMA: thread 0 alone; cp.async: the 128 producer threads (ptid).
 template <class T>
-__device__ __forceinline__ void load_tile_routes(const Tile& tile, int issued, bool tma, const AttentionParams& a,
+__device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, const AttentionParams& a,
                                                  const LaunchDescriptors& desc, typename T::SharedStorage& st,
                                                  PipelineBarriers<T::kStages>& bars, int ptid) {
   using Element = typename T::Element;
@@ -123,7 +125,7 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, int issued, b
       load_operand<T>(tiles, map, &full[stage], stage, token, hkv, bc);
     };
     for (int i = 0; i < tile.count; ++i) {
-      const int j = issued + i, stage = j % kStages, phase = (j / kStages) & 1;
+      const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
       const int token = tok0 + tile.routes[i].index * p.tile_n;
       load(st.k, &desc.k, bars.full_k, bars.empty_k, stage, phase, token);
       load(st.v, &desc.v, bars.full_v, bars.empty_v, stage, phase, token);
@@ -141,7 +143,7 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, int issued, b
       cp_async_arrive_noinc(&full[stage]);
     };
     for (int i = 0; i < tile.count; ++i) {
-      const int j = issued + i, stage = j % kStages, phase = (j / kStages) & 1;
+      const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
       const int k0 = tile.routes[i].index * p.tile_n;
       const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
       load(std::false_type{}, kbase, a.k_token_stride, bars.full_k, bars.empty_k, stage, phase, k0, n_valid);

@@ -31,13 +31,15 @@ struct Tile {
   int b;      // sequence
   int q0;     // first query row (sequence-local)
   int count;  // routes to walk (0 for a tile past the sequence end)
+  int first;  // pipeline position of the first route: routes of this CTA's earlier tiles
   route::SeqInfo si;
   const route::Route* routes;
 };
 
 // Written field by field into the shared slot `t` as each is known: built in registers first, the
 // whole tile stayed live in the 40-register producer and spilled.
-__device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, int heads_per_tile, Tile& t) {
+__device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, int heads_per_tile, int first,
+                                            Tile& t) {
   const route::RouteParams& p = a.route;
   const int group = p.heads_q / p.sparsity_heads;
   const int per_row = group / heads_per_tile;
@@ -52,6 +54,7 @@ __device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, 
   const route::SeqInfo si = route::seq_info(p, rc.b);
   t.si = si;
   t.count = q0 < si.seqlen_q ? a.route_counts[row] : 0;
+  t.first = first;
 }
 
 // This CTA's first item, and the one after `current`.
