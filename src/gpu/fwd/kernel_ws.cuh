@@ -61,8 +61,11 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
   extern __shared__ char smem_raw[];
-  auto& sm = *reinterpret_cast<typename C::Smem*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) &
-                                                   ~std::uintptr_t(1023));
+  // Aligned by pointer arithmetic on the shared array (not through an integer), so the compiler
+  // keeps the shared address space: LDS/STS for the tile slots and the epilogue, not generic
+  // loads and stores.
+  const unsigned smem_base = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
+  auto& sm = *reinterpret_cast<typename C::Smem*>(smem_raw + ((1024u - smem_base % 1024u) % 1024u));
   auto& st = sm.tiles;
   auto& bars = sm.bars;
   if (*overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
