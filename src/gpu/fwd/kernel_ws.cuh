@@ -120,17 +120,15 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     // One thread issues the bulk tensor copies. The others exit rather than wait in leave(): a
     // live lane of warp 0 that skips the tile-handoff bar.arrive would stall that barrier.
     if (tma && tid != 0) return;
-    int claimed = first_item<kPair>();  // thread 0
     for (int t = 0;; ++t) {
       if (tid < 32) {
         if (t > 1) barrier_sync(kTileEmpty + (t & 1), handoff_threads);
         if (tid == 0) {
-          // The pipeline position continues across tiles; kept in the slots (the previous tile's is
-          // still there), not in a register of the 40-register producer, where it spilled.
+          // The item and the pipeline position follow from the previous tile, still in its slot.
           const Tile& prev = sm.tile[(t - 1) & 1];
-          if (claimed < desc.items) decode_tile(a, claimed, T::kItemHeads, t == 0 ? 0 : prev.first + prev.count, sm.tile[t & 1]);
+          const int item = t == 0 ? first_item<kPair>() : next_item<kPair>(a, prev.item);
+          if (item < desc.items) decode_tile(a, item, T::kItemHeads, desc.q_per_kv, t == 0 ? 0 : prev.first + prev.count, sm.tile[t & 1]);
           else sm.tile[t & 1].row = -1;  // no more work
-          if (claimed < desc.items) claimed = next_item<kPair>(a, claimed);
         }
         __syncwarp(tma ? 1u : 0xffffffffu);
         barrier_arrive(kTileFull + (t & 1), handoff_threads);
@@ -373,6 +371,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, 
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};
   desc.items = items;
+  desc.q_per_kv = a->route.heads_q / a->route.heads_kv;
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
   desc.tma = !no_tma && encode_kv_maps<T>(*a, kv_tokens, desc) ? 1 : 0;
   // Persistent: one CTA per multiprocessor (the kernel's shared memory allows no second one).

@@ -40,11 +40,12 @@ __device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, cons
 
 // What the launch derives for the kernel: bulk tensor (TMA) maps of K and V as 4-D tensors (D,
 // tokens, heads, batch; `tma` 0: the producer falls back to cp.async, per-token addressing) and
-// the number of work items (a kernel parameter rather than a division kept in a register).
+// two counts (kernel parameters rather than divisions the producer would keep in registers).
 struct LaunchDescriptors {
   CUtensorMap k, v;
   int tma;
-  int items;
+  int items;     // work items
+  int q_per_kv;  // Hq / Hkv
 };
 
 __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1,
@@ -110,7 +111,7 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
   const route::RouteParams& p = a.route;
-  const int hkv = tile.head / (p.heads_q / p.heads_kv);
+  const int hkv = tile.hkv;
   if (tma) {
     // Tokens past the tensor are zero-filled; tokens past the sequence but inside the tensor are
     // finite data that the route mask removes.

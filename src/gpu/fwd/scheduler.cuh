@@ -26,8 +26,10 @@ __host__ __device__ __forceinline__ bool packable_heads(const route::RouteParams
 
 // One work item, decoded: where its rows and routes are.
 struct Tile {
+  int item;   // work item (the CTA's next one follows from it)
   int row;    // route row: (b * Hs + hs) * max_q_tiles + q_tile
   int head;   // (first) query head
+  int hkv;    // its KV head
   int b;      // sequence
   int q0;     // first query row (sequence-local)
   int count;  // routes to walk (0 for a tile past the sequence end)
@@ -37,17 +39,24 @@ struct Tile {
 };
 
 // Written field by field into the shared slot `t` as each is known: built in registers first, the
-// whole tile stayed live in the 40-register producer and spilled.
-__device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, int heads_per_tile, int first,
-                                            Tile& t) {
+// whole tile stayed live in the 40-register producer and spilled. The item, KV head and pipeline
+// position are kept in the slot for the same reason (a register held across the producer's tile
+// loop spilled).
+// q_per_kv (Hq / Hkv) comes from the launch: computed here from the parameters, the loop-invariant
+// division was hoisted out of the producer's tile loop and held a register.
+__device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, int heads_per_tile, int q_per_kv,
+                                            int first, Tile& t) {
   const route::RouteParams& p = a.route;
   const int group = p.heads_q / p.sparsity_heads;
   const int per_row = group / heads_per_tile;
   const int row = a.row_order[item / per_row];
+  t.item = item;
   t.row = row;
   t.routes = a.routes + static_cast<std::int64_t>(row) * p.capacity;
   const route::RowCoordinates rc = route::row_coordinates(p, row);
-  t.head = rc.hs * group + (item % per_row) * heads_per_tile;
+  const int head = rc.hs * group + (item % per_row) * heads_per_tile;
+  t.head = head;
+  t.hkv = head / q_per_kv;
   t.b = rc.b;
   const int q0 = rc.q_tile * p.tile_m;
   t.q0 = q0;
