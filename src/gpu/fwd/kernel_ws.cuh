@@ -91,6 +91,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       Barrier::init(&bars.empty_v[s], C::kConsumerWarps * (kPair ? 2 : 1));
     }
     cutlass::arch::fence_barrier_init();
+    sm.tile[0].written = sm.tile[1].written = 0;
   }
   if constexpr (kPair) cluster_sync_threads();  // the peer's barriers are initialised before any use
   else __syncthreads();
@@ -120,25 +121,35 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     // One thread issues the bulk tensor copies. The others exit rather than wait in leave(): a
     // live lane of warp 0 that skips the tile-handoff bar.arrive would stall that barrier.
     if (tma && tid != 0) return;
-    for (int t = 0;; ++t) {
+    // Tile t goes into slot t % 2. The loop walks the two slots in turn with the slot a
+    // compile-time constant, so the 40-register producer keeps no tile counter (it spilled one):
+    // the slots' `written` flags tell the first two tiles, and the previous tile's slot gives the
+    // next item and pipeline position. Returns false once it wrote the end of the work.
+    const auto produce = [&](auto slot_index) -> bool {
+      constexpr int s = decltype(slot_index)::value;
+      Tile& slot = sm.tile[s];
+      const Tile& prev = sm.tile[1 - s];
       if (tid < 32) {
-        if (t > 1) barrier_sync(kTileEmpty + (t & 1), handoff_threads);
+        if (slot.written) barrier_sync(kTileEmpty + s, handoff_threads);  // its tile t-2 released
         if (tid == 0) {
-          // The item and the pipeline position follow from the previous tile, still in its slot.
-          const Tile& prev = sm.tile[(t - 1) & 1];
-          const int item = t == 0 ? first_item<kPair>() : next_item<kPair>(a, prev.item);
-          if (item < desc.items) decode_tile(a, item, T::kItemHeads, desc.q_per_kv, t == 0 ? 0 : prev.first + prev.count, sm.tile[t & 1]);
-          else sm.tile[t & 1].row = -1;  // no more work
+          const bool first = !prev.written;
+          const int item = first ? first_item<kPair>() : next_item<kPair>(a, prev.item);
+          if (item < desc.items)
+            decode_tile(a, item, T::kItemHeads, desc.q_per_kv, first ? 0 : prev.first + prev.count, slot);
+          else slot.row = -1;  // no more work
+          slot.written = 1;
         }
         __syncwarp(tma ? 1u : 0xffffffffu);
-        barrier_arrive(kTileFull + (t & 1), handoff_threads);
+        barrier_arrive(kTileFull + s, handoff_threads);
       }
       // Warps 1-3 pass here once warp 0 wrote tile t, and warp 0 writes tile t+2 into the same
       // slot only after they passed here again for tile t+1 (done with tile t).
       if (!tma) barrier_sync(kProducerSync, C::kProducerThreads);
-      const Tile& tile = sm.tile[t & 1];
-      if (tile.row < 0) break;
-      load_tile_routes<T>(tile, tma, a, desc, st, bars, tid);
+      if (slot.row < 0) return false;
+      load_tile_routes<T>(slot, tma, a, desc, st, bars, tid);
+      return true;
+    };
+    while (produce(Int<0>{}) && produce(Int<1>{})) {
     }
     if (!tma) cp_async_wait<0>();
     leave();

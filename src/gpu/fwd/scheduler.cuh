@@ -26,6 +26,7 @@ __host__ __device__ __forceinline__ bool packable_heads(const route::RouteParams
 
 // One work item, decoded: where its rows and routes are.
 struct Tile {
+  int written;  // the slot holds a tile (0 until the producer's first write)
   int item;   // work item (the CTA's next one follows from it)
   int row;    // route row: (b * Hs + hs) * max_q_tiles + q_tile
   int head;   // (first) query head
