@@ -134,8 +134,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         if (tid == 0) {
           const bool first = !prev.written;
           const int item = first ? first_item<kPair>() : next_item<kPair>(a, prev.item);
-          if (item < desc.items)
-            decode_tile(a, item, T::kItemHeads, desc.q_per_kv, first ? 0 : prev.first + prev.count, slot);
+          if (item < work_items(a, T::kItemHeads))
+            decode_tile(a, item, T::kItemHeads, first ? 0 : prev.first + prev.count, slot);
           else slot.row = -1;  // no more work
           slot.written = 1;
         }
@@ -381,8 +381,6 @@ cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, 
   const int items = work_items(*a, T::kItemHeads);
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};
-  desc.items = items;
-  desc.q_per_kv = a->route.heads_q / a->route.heads_kv;
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
   desc.tma = !no_tma && encode_kv_maps<T>(*a, kv_tokens, desc) ? 1 : 0;
   // Persistent: one CTA per multiprocessor (the kernel's shared memory allows no second one).

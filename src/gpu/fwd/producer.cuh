@@ -38,14 +38,11 @@ __device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, cons
   }
 }
 
-// What the launch derives for the kernel: bulk tensor (TMA) maps of K and V as 4-D tensors (D,
-// tokens, heads, batch; `tma` 0: the producer falls back to cp.async, per-token addressing) and
-// two counts (kernel parameters rather than divisions the producer would keep in registers).
+// Bulk tensor (TMA) maps of K and V as 4-D tensors (D, tokens, heads, batch); `tma` 0: the
+// producer falls back to cp.async (per-token addressing).
 struct LaunchDescriptors {
   CUtensorMap k, v;
   int tma;
-  int items;     // work items
-  int q_per_kv;  // Hq / Hkv
 };
 
 __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1,

@@ -40,13 +40,11 @@ struct Tile {
 };
 
 // Written field by field into the shared slot `t` as each is known: built in registers first, the
-// whole tile stayed live in the 40-register producer and spilled. The item, KV head and pipeline
-// position are kept in the slot for the same reason (a register held across the producer's tile
-// loop spilled).
-// q_per_kv (Hq / Hkv) comes from the launch: computed here from the parameters, the loop-invariant
-// division was hoisted out of the producer's tile loop and held a register.
-__device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, int heads_per_tile, int q_per_kv,
-                                            int first, Tile& t) {
+// whole tile stayed live in the 40-register producer and spilled. The item, the KV head and the
+// pipeline position are kept in the slot for the same reason (registers held across the
+// producer's tile loop spilled).
+__device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, int heads_per_tile, int first,
+                                            Tile& t) {
   const route::RouteParams& p = a.route;
   const int group = p.heads_q / p.sparsity_heads;
   const int per_row = group / heads_per_tile;
@@ -57,7 +55,7 @@ __device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, 
   const route::RowCoordinates rc = route::row_coordinates(p, row);
   const int head = rc.hs * group + (item % per_row) * heads_per_tile;
   t.head = head;
-  t.hkv = head / q_per_kv;
+  t.hkv = head / (p.heads_q / p.heads_kv);
   t.b = rc.b;
   const int q0 = rc.q_tile * p.tile_m;
   t.q0 = q0;
