@@ -279,10 +279,12 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   cuda_check(gpu::prepare_routes(a, ws.routes, ws.counts, ws.overflow, s), "prepare_routes");
   cuda_check(gpu::order_rows_longest_first(ws.counts, a.route_rows, ws.row_order, s), "order_rows_longest_first");
   if (problem.validate) check_gpu(stream);
-  // Token extent of K/V (the bound of the kernel's bulk tensor copies).
+  // Token extents of Q and K/V (the bounds of the kernel's bulk tensor copies).
+  gpu::TokenExtents extents;
+  extents.q = inputs.q.shape[p.varlen_q ? 0 : 1];
   const int tdim = p.varlen_kv ? 0 : 1;
-  const std::int64_t kv_tokens = std::min(inputs.k.shape[tdim], inputs.v.shape[tdim]);
-  cuda_check(gpu::run_forward(a, kv_tokens, ws.overflow, s), "forward kernel launch");
+  extents.kv = std::min(inputs.k.shape[tdim], inputs.v.shape[tdim]);
+  cuda_check(gpu::run_forward(a, extents, ws.overflow, s), "forward kernel launch");
 }
 
 void Plan::Impl::check_gpu(Stream stream) {

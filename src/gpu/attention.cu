@@ -3,7 +3,7 @@
 namespace bsattn::gpu {
 namespace fwd {
 #define BSATTN_DECLARE_FAMILY(NAME) \
-  cudaError_t run_##NAME(const AttentionParams* a, int tile_m, int block_n, std::int64_t kv_tokens, \
+  cudaError_t run_##NAME(const AttentionParams* a, int tile_m, int block_n, const TokenExtents& extents, \
                          const int* overflow, cudaStream_t s);
 BSATTN_DECLARE_FAMILY(bf16_d64)
 BSATTN_DECLARE_FAMILY(bf16_d128)
@@ -16,7 +16,7 @@ BSATTN_DECLARE_FAMILY(f16_d256)
 
 namespace {
 
-using Family = cudaError_t (*)(const AttentionParams*, int, int, std::int64_t, const int*, cudaStream_t);
+using Family = cudaError_t (*)(const AttentionParams*, int, int, const TokenExtents&, const int*, cudaStream_t);
 
 // The compiled family for (dtype, head dim); null when the build left it out.
 Family family(ElementType t, int d) {
@@ -77,14 +77,15 @@ cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int t
   const Family f = family(dtype, head_dim);
   const int block_n = forward_kernel_block_n(dtype, head_dim, tile_m, tile_n);
   if (!f || block_n == 0) return cudaErrorInvalidValue;
-  return f(nullptr, tile_m, block_n, 0, nullptr, nullptr);
+  return f(nullptr, tile_m, block_n, TokenExtents{}, nullptr, nullptr);
 }
 
-cudaError_t run_forward(const AttentionParams& a, std::int64_t kv_tokens, const int* overflow, cudaStream_t stream) {
+cudaError_t run_forward(const AttentionParams& a, const TokenExtents& extents, const int* overflow,
+                        cudaStream_t stream) {
   const Family f = family(a.in_type, a.head_dim);
   const int block_n = forward_kernel_block_n(a.in_type, a.head_dim, a.route.tile_m, a.route.tile_n);
   if (!f || block_n == 0) return cudaErrorInvalidValue;
-  return f(&a, a.route.tile_m, block_n, kv_tokens, overflow, stream);
+  return f(&a, a.route.tile_m, block_n, extents, overflow, stream);
 }
 
 }  // namespace bsattn::gpu

@@ -7,6 +7,12 @@
 
 namespace bsattn::gpu {
 
+// Rows of Q and of K/V along the token dimension (Sq / Skv extents batched, total_q / total_kv
+// varlen): the bounds of the kernel's bulk tensor copies.
+struct TokenExtents {
+  std::int64_t q = 0, kv = 0;
+};
+
 // KV tile width of the kernel that serves a route tile_n (the smallest compiled width >= tile_n),
 // or 0 if this build has no kernel for (dtype, head_dim, tile_m, tile_n).
 int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile_n);
@@ -16,10 +22,8 @@ int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile
 cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n);
 
 // Launches the forward kernel for params (device pointers; routes and counts prepared).
-// kv_tokens: rows of the K/V tensors along the token dimension (Skv extent batched, total_kv
-// varlen): the bound of the bulk tensor copies.
 // `overflow` is the device flag route preparation raised; a set flag makes the kernel write nothing.
-cudaError_t run_forward(const AttentionParams& params, std::int64_t kv_tokens, const int* overflow,
+cudaError_t run_forward(const AttentionParams& params, const TokenExtents& extents, const int* overflow,
                         cudaStream_t stream);
 
 }  // namespace bsattn::gpu

@@ -10,7 +10,7 @@ namespace bsattn::gpu::fwd {
 // tile_m 128 with 128-wide K/V tiles a CTA pair sharing its K/V loads (pair multicast). With `a`
 // null (plan time) every kernel the shape may take is configured.
 template <class Element, int kHeadDim, int kBlockN>
-cudaError_t run_family_n(const AttentionParams* a, int tile_m, std::int64_t kv_tokens, const int* overflow,
+cudaError_t run_family_n(const AttentionParams* a, int tile_m, const TokenExtents& extents, const int* overflow,
                          cudaStream_t stream) {
   using Rows128 = Traits<Element, kHeadDim, 2, kBlockN>;
   using Rows64 = Traits<Element, kHeadDim, 1, kBlockN>;
@@ -21,41 +21,41 @@ cudaError_t run_family_n(const AttentionParams* a, int tile_m, std::int64_t kv_t
     // the single-CTA kernel itself lost 4-7 % with three).
     using Rows128Pair = Traits<Element, kHeadDim, 2, kBlockN, 1, kHeadDim <= 128 ? 3 : 2, true>;
     if (tile_m == 128 && !a) {
-      const cudaError_t e = launch_forward_ws<Rows128Pair>(nullptr, kv_tokens, overflow, stream);
+      const cudaError_t e = launch_forward_ws<Rows128Pair>(nullptr, extents, overflow, stream);
       if (e != cudaSuccess) return e;
     } else if (tile_m == 128 && packable_heads(a->route)) {
-      const cudaError_t e = launch_forward_ws<Rows128Pair>(a, kv_tokens, overflow, stream);
+      const cudaError_t e = launch_forward_ws<Rows128Pair>(a, extents, overflow, stream);
       if (e != cudaErrorNotSupported) return e;
     }
   }
-  if (tile_m == 128) return launch_forward_ws<Rows128>(a, kv_tokens, overflow, stream);
+  if (tile_m == 128) return launch_forward_ws<Rows128>(a, extents, overflow, stream);
   if (tile_m != 64) return cudaErrorInvalidValue;
   if (!a) {
-    const cudaError_t e = launch_forward_ws<Rows64>(nullptr, kv_tokens, overflow, stream);
-    return e != cudaSuccess ? e : launch_forward_ws<Rows64Packed>(nullptr, kv_tokens, overflow, stream);
+    const cudaError_t e = launch_forward_ws<Rows64>(nullptr, extents, overflow, stream);
+    return e != cudaSuccess ? e : launch_forward_ws<Rows64Packed>(nullptr, extents, overflow, stream);
   }
-  if (packable_heads(a->route)) return launch_forward_ws<Rows64Packed>(a, kv_tokens, overflow, stream);
-  return launch_forward_ws<Rows64>(a, kv_tokens, overflow, stream);
+  if (packable_heads(a->route)) return launch_forward_ws<Rows64Packed>(a, extents, overflow, stream);
+  return launch_forward_ws<Rows64>(a, extents, overflow, stream);
 }
 
 }  // namespace bsattn::gpu::fwd
 
-// Defines bsattn::gpu::fwd::run_<NAME>(params or null, tile_m, block_n, overflow, stream).
-#define BSATTN_FORWARD_FAMILY(NAME, ELEMENT, HEAD_DIM, ...)                                             \
-  namespace bsattn::gpu::fwd {                                                                          \
-  cudaError_t run_##NAME(const AttentionParams* a, int tile_m, int block_n, std::int64_t kv_tokens,   \
-                         const int* overflow, cudaStream_t s) {                                         \
-    return dispatch_width<ELEMENT, HEAD_DIM, __VA_ARGS__>(a, tile_m, block_n, kv_tokens, overflow, s); \
-  }                                                                                                     \
+// Defines bsattn::gpu::fwd::run_<NAME>(params or null, tile_m, block_n, extents, overflow, stream).
+#define BSATTN_FORWARD_FAMILY(NAME, ELEMENT, HEAD_DIM, ...)                                              \
+  namespace bsattn::gpu::fwd {                                                                           \
+  cudaError_t run_##NAME(const AttentionParams* a, int tile_m, int block_n, const TokenExtents& extents, \
+                         const int* overflow, cudaStream_t s) {                                          \
+    return dispatch_width<ELEMENT, HEAD_DIM, __VA_ARGS__>(a, tile_m, block_n, extents, overflow, s);     \
+  }                                                                                                      \
   }
 
 namespace bsattn::gpu::fwd {
 template <class Element, int kHeadDim, int kFirst, int... kRest>
-cudaError_t dispatch_width(const AttentionParams* a, int tile_m, int block_n, std::int64_t kv_tokens,
+cudaError_t dispatch_width(const AttentionParams* a, int tile_m, int block_n, const TokenExtents& extents,
                            const int* overflow, cudaStream_t s) {
-  if (block_n == kFirst) return run_family_n<Element, kHeadDim, kFirst>(a, tile_m, kv_tokens, overflow, s);
+  if (block_n == kFirst) return run_family_n<Element, kHeadDim, kFirst>(a, tile_m, extents, overflow, s);
   if constexpr (sizeof...(kRest) > 0)
-    return dispatch_width<Element, kHeadDim, kRest...>(a, tile_m, block_n, kv_tokens, overflow, s);
+    return dispatch_width<Element, kHeadDim, kRest...>(a, tile_m, block_n, extents, overflow, s);
   return cudaErrorInvalidValue;
 }
 }  // namespace bsattn::gpu::fwd

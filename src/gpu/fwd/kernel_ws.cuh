@@ -1,15 +1,18 @@
 // The persistent warp-specialised SM90 forward kernel. One CTA per multiprocessor walks work
-// tiles (route row, query head) longest row first. Per tile, one producer warpgroup streams the K
-// and V tiles of the row's routes into shared memory (TMA or cp.async completing on mbarriers,
-// two stages each, K one route ahead of V; the pipeline runs on from tile to tile) while
-// kWarpgroups consumer warpgroups (64 query rows each; with GQA packing the same rows of one
-// query head each) run S = Q K^T and O += P V with wgmma.
-// Registers move to the consumers (setmaxnreg). Consumers never wait for each other: each waits
-// on the stage barriers and releases the stages it read, so the two warpgroups drift apart and
-// their softmax phases interleave with the other's GEMMs. Within a consumer, S(i+1) is issued
-// before PV(i); ptxas places the softmax of route i+1 after the wait for PV(i) (pinning it
-// before the wait measured slower), so the overlap is between the two warpgroups. The epilogue
-// goes through shared memory while the producer already loads the next tile.
+// tiles (route row, query head) longest row first. The producer warpgroup has two roles: the tile
+// warp decodes the next tile and loads its Q rows (cp.async, one buffer per consumer warpgroup,
+// refilled as soon as the warpgroup's last S GEMM of the current tile has read it), and the
+// loader streams the K and V tiles of the routes into shared memory (TMA or cp.async completing
+// on mbarriers, K one route ahead of V; the pipeline runs on from tile to tile). kWarpgroups
+// consumer warpgroups (64 query rows each; with GQA packing the same rows of one query head
+// each) run S = Q K^T and O += P V with wgmma.
+// Registers move to the consumers (setmaxnreg). Consumers never wait for each other inside a
+// tile: each waits on the stage barriers and releases the stages it read, so the two warpgroups
+// drift apart and their softmax phases interleave with the other's GEMMs. Within a consumer,
+// S(i+1) is issued before PV(i); ptxas places the softmax of route i+1 after the wait for PV(i)
+// (pinning it before the wait measured slower), so the overlap is between the two warpgroups.
+// The epilogue goes through shared memory (the last route's K/V stages) while the loader already
+// streams the next tile and the next Q has landed.
 #pragma once
 
 #include <atomic>
@@ -36,6 +39,7 @@ namespace bsattn::gpu::fwd {
 template <class T>
 struct WsConfig {
   static constexpr int kProducerThreads = 128;
+  static constexpr int kTileWarp = 3;  // producer warp that decodes tiles and loads Q
   static constexpr int kThreads = T::kThreads + kProducerThreads;
   static constexpr int kConsumerWarps = T::kThreads / 32;
   // Register split: 64K registers per SM, one CTA. The producer keeps 40: with 24 its route loop
@@ -44,8 +48,8 @@ struct WsConfig {
   static constexpr int kConsumerRegs = T::kWarpgroups == 2 ? 232 : 240;
   struct Smem {
     typename T::SharedStorage tiles;
-    PipelineBarriers<T::kStages> bars;
-    Tile tile[2];  // work tiles handed from the producer to the consumers (slot t % 2: tile t)
+    PipelineBarriers<T::kStages, T::kWarpgroups> bars;
+    Tile tile[2];  // work tiles handed from the tile warp to the loader and consumers (slot t % 2: tile t)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
 };
@@ -59,6 +63,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   using C = WsConfig<T>;
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
+  static_assert(T::kWarpgroups <= 2 && T::kBlockN >= 64, "O of a warpgroup is staged in a K or V stage");
   constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
   extern __shared__ char smem_raw[];
   // Aligned by pointer arithmetic on the shared array (not through an integer), so the compiler
@@ -79,16 +84,21 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   const auto leave = [&]() {
     if constexpr (kPair) cluster_sync_threads();
   };
-  const bool tma = desc.tma;  // else the cp.async producer (paged KV later; BSATTN_GPU_NO_TMA)
+  const bool tma = desc.tma;  // else the cp.async loader (paged KV later; BSATTN_GPU_NO_TMA)
   const int tid = threadIdx.x;
   const int role = __shfl_sync(0xffffffffu, tid / 128, 0);  // 0: producer; 1..: consumer warpgroups
   if (tid == 0) {
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&bars.full_k[s], tma ? 1 : C::kProducerThreads);
-      Barrier::init(&bars.full_v[s], tma ? 1 : C::kProducerThreads);
+      Barrier::init(&bars.full_k[s], tma ? 1 : kLoaderThreads);
+      Barrier::init(&bars.full_v[s], tma ? 1 : kLoaderThreads);
       Barrier::init(&bars.empty_k[s], C::kConsumerWarps * (kPair ? 2 : 1));  // both CTAs' consumers
       Barrier::init(&bars.empty_v[s], C::kConsumerWarps * (kPair ? 2 : 1));
+    }
+    CUTE_UNROLL
+    for (int wg = 0; wg < T::kWarpgroups; ++wg) {
+      Barrier::init(&bars.full_q[wg], tma ? 1 : 32);  // the tile warp's lane 0 or lanes
+      Barrier::init(&bars.empty_q[wg], 4);  // the warpgroup's warps
     }
     cutlass::arch::fence_barrier_init();
     sm.tile[0].written = sm.tile[1].written = 0;
@@ -96,16 +106,15 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   if constexpr (kPair) cluster_sync_threads();  // the peer's barriers are initialised before any use
   else __syncthreads();
   const bool warp_leader = (tid % 32) == 0;
-  // Tile handoff: slot t % 2 holds this CTA's tile t. Producer warp 0 (its thread 0 claims and
-  // decodes) writes the slot and arrives on kTileFull + slot; the consumers sync on it and read
-  // the slot in place while they work on the tile; starting tile t they arrive on kTileEmpty +
-  // slot of tile t-1, on which warp 0 syncs before writing tile t+1 there. So the producer
-  // decodes and loads one tile ahead. With cp.async, producer warps 1-3 see the slot through the
-  // producer's own barrier. Named barriers (not mbarriers): compute-sanitizer's racecheck sees
-  // the ordering.
+  // Tile handoff: slot t % 2 holds this CTA's tile t. The tile warp (lane 0 claims and decodes)
+  // writes the slot and arrives on kTileFull + slot; the K/V loader and the consumers sync on it
+  // and read the slot in place while they work on the tile. The loader arrives on kTileEmpty +
+  // slot when it has issued the tile's loads, the consumers when they start tile t+1; the tile
+  // warp syncs on it before writing tile t+2 there. So tiles are decoded one ahead. Named
+  // barriers (not mbarriers): compute-sanitizer's racecheck sees the ordering.
   // Named barrier ids: 0 __syncthreads; 1, 2 the consumer warpgroups; 3, 4 ping-pong.
-  constexpr int kTileFull = 5, kTileEmpty = 7, kProducerSync = 9;
-  const int handoff_threads = T::kThreads + 32;
+  constexpr int kTileFull = 5, kTileEmpty = 7, kEpilogueSync = 9;
+  const int handoff_threads = T::kThreads + 32 + (tma ? 32 : kLoaderThreads);
   // Reader side of tile t: null when there is no more work.
   auto take_tile = [&](int t) -> const Tile* {
     barrier_sync(kTileFull + (t & 1), handoff_threads);
@@ -117,21 +126,24 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
 
   if (role == 0) {
     // ---------------------------------------------------------------- producer warpgroup
+    // Two independent roles with their own registers: the tile warp decodes the next tile and
+    // loads its Q as soon as the consumers' last S GEMM of the current tile freed the Q buffers;
+    // the loader (thread 0 with TMA, warps 0-2 with cp.async) streams the K/V tiles of the routes.
     cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
-    // One thread issues the bulk tensor copies. The others exit rather than wait in leave(): a
-    // live lane of warp 0 that skips the tile-handoff bar.arrive would stall that barrier.
-    if (tma && tid != 0) return;
-    // Tile t goes into slot t % 2. The loop walks the two slots in turn with the slot a
-    // compile-time constant, so the 40-register producer keeps no tile counter (it spilled one):
-    // the slots' `written` flags tell the first two tiles, and the previous tile's slot gives the
-    // next item and pipeline position. Returns false once it wrote the end of the work.
-    const auto produce = [&](auto slot_index) -> bool {
-      constexpr int s = decltype(slot_index)::value;
-      Tile& slot = sm.tile[s];
-      const Tile& prev = sm.tile[1 - s];
-      if (tid < 32) {
-        if (slot.written) barrier_sync(kTileEmpty + s, handoff_threads);  // its tile t-2 released
-        if (tid == 0) {
+    const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
+    if (warp == C::kTileWarp) {
+      const int lane = tid % 32;
+      // Tile t goes into slot t % 2. The loop walks the two slots in turn with the slot a
+      // compile-time constant, so no tile counter is held (the 40-register producer spilled
+      // one): the slots' `written` flags tell the first two tiles, and the previous tile's slot
+      // gives the next item and pipeline position. Returns false once it wrote the end of work.
+      const auto hand_out = [&](auto slot_index) -> bool {
+        constexpr int s = decltype(slot_index)::value;
+        Tile& slot = sm.tile[s];
+        const Tile& prev = sm.tile[1 - s];
+        // Lane 0's read, shared before lane 0 overwrites the flag below.
+        if (__shfl_sync(0xffffffffu, slot.written, 0)) barrier_sync(kTileEmpty + s, handoff_threads);
+        if (lane == 0) {
           const bool first = !prev.written;
           const int item = first ? first_item<kPair>() : next_item<kPair>(a, prev.item);
           if (item < work_items(a, T::kItemHeads))
@@ -139,17 +151,31 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
           else slot.row = -1;  // no more work
           slot.written = 1;
         }
-        __syncwarp(tma ? 1u : 0xffffffffu);
+        __syncwarp();
         barrier_arrive(kTileFull + s, handoff_threads);
+        if (slot.row < 0) return false;
+        load_q<T>(slot, s, tma, a, desc, st, bars, pair_rank);
+        return true;
+      };
+      while (hand_out(Int<0>{}) && hand_out(Int<1>{})) {
       }
-      // Warps 1-3 pass here once warp 0 wrote tile t, and warp 0 writes tile t+2 into the same
-      // slot only after they passed here again for tile t+1 (done with tile t).
-      if (!tma) barrier_sync(kProducerSync, C::kProducerThreads);
+      cp_async_wait<0>();
+      leave();
+      return;
+    }
+    // The loader. With TMA one thread issues the bulk tensor copies; the others exit rather than
+    // wait in leave() (a live lane that skips the tile-handoff bar.arrive would stall it).
+    if (tma ? tid != 0 : tid >= kLoaderThreads) return;
+    const auto stream = [&](auto slot_index) -> bool {
+      constexpr int s = decltype(slot_index)::value;
+      barrier_sync(kTileFull + s, handoff_threads);
+      const Tile& slot = sm.tile[s];
       if (slot.row < 0) return false;
       load_tile_routes<T>(slot, tma, a, desc, st, bars, tid);
+      barrier_arrive(kTileEmpty + s, handoff_threads);
       return true;
     };
-    while (produce(Int<0>{}) && produce(Int<1>{})) {
+    while (stream(Int<0>{}) && stream(Int<1>{})) {
     }
     if (!tma) cp_async_wait<0>();
     leave();
@@ -197,11 +223,22 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     }
   };
 
+  // The Q buffer goes back to the tile warp once this warpgroup's last S GEMM of the tile has
+  // completed, so the next tile's Q loads under the last softmax, PV and the epilogue.
+  auto release_q = [&]() {
+    if (warp_leader) Barrier::arrive(&bars.empty_q[wg]);
+  };
+
   for (int t = 0;; ++t) {
     const Tile* slot = take_tile(t);
     if (!slot) break;
     const Tile& tile = *slot;
-    if (tile.q0 >= tile.si.seqlen_q) continue;  // a tile past the sequence end: no routes, no rows
+    Barrier::wait(&bars.full_q[wg], t & 1);
+    if (tile.q0 >= tile.si.seqlen_q) {  // a tile past the sequence end: no routes, no rows
+      release_q();
+      continue;
+    }
+    cutlass::arch::fence_view_async_shared();  // the Q rows (cp.async) before wgmma reads them
     // Thread-dependent addresses and coordinates are derived per tile from an opaque thread index:
     // hoisted out of the tile loop, they would stay live across the main loop and spill.
     const int ltid = opaque_thread_index() % 128;
@@ -220,22 +257,6 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     for (int u = 0; u * p.unit_m < T::kBlockM; ++u)
       if (tile.q0 + u * p.unit_m < si.seqlen_q) present |= 1u << u;
 
-    {  // This warpgroup's 64 Q rows (its buffer is free: the previous epilogue ended on a barrier).
-      const Element* q = static_cast<const Element*>(a.q);
-      constexpr int kChunks = kHeadDim / 8, kRowsPerStep = 128 / kChunks;
-      const int d = (ltid % kChunks) * 8;
-      CUTE_UNROLL
-      for (int r0 = 0; r0 < 64; r0 += kRowsPerStep) {
-        const int r = r0 + ltid / kChunks;
-        const bool valid = q_begin + r < si.seqlen_q;
-        cp_async_16(&sQ(r, d), valid ? q + a.q_offset(tile.b, si, q_begin + r, head) + d : q, valid);
-      }
-      cp_async_commit();
-      cp_async_wait<0>();
-      cutlass::arch::fence_view_async_shared();
-      barrier_sync(wg_barrier, 128);
-    }
-
     OnlineSoftmax<kRows> softmax(a.scale);
     clear(tOrO);
     auto mask_softmax = [&](const route::Route rt, float (&rescale)[kRows]) {
@@ -253,12 +274,15 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       softmax.step(s_rc, rescale);
     };
 
+    // The last route's K and V stages stay held through the epilogue, which stages O in them.
+    const int last = base + count - 1;
     if (count > 0) {
       wait_full(bars.full_k, base);
       wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, base % kStages), tSrS);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
-      release(bars.empty_k, base);
+      if (count > 1) release(bars.empty_k, base);
+      else release_q();
       float rescale[kRows];  // of the last softmax: O takes it just before the next PV
       mask_softmax(routes[0], rescale);
       convert_p();
@@ -285,7 +309,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         if constexpr (kPingPong) barrier_arrive(kSchedBarrier0 + (1 - wg), 256);
         warpgroup_wait<1>();  // S(i+1) done; PV(i) may still run
         warpgroup_fence_operand(tSrS);
-        release(bars.empty_k, j + 1);
+        if (j + 1 < last) release(bars.empty_k, j + 1);
+        else release_q();
         mask_softmax(rt, rescale);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
@@ -298,20 +323,34 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         if (wg == 0) barrier_sync(kSchedBarrier0, 256);
       }
       // Last PV.
-      const int last = base + count - 1;
       scale_rows(o_rc, rescale);
       wait_full(bars.full_v, last);
       wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, last % kStages), tOrO);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
-      release(bars.empty_v, last);
     }
 
     float inv[kRows], lse[kRows];
     softmax.finish(inv, lse, a.scale);
     scale_rows(o_rc, inv);
-    store_output<kHeadDim>(o_rc, co_rc, lse, reinterpret_cast<char*>(st.q[wg]), a, si, tile.b,
-                           head, q_begin, ltid, wg_barrier);
+    // O is staged in the last route's K stage (warpgroup 0) or V stage (warpgroup 1), each at least
+    // 64 x D, once every consumer warpgroup is done with them; a tile without routes stages it in
+    // its own Q buffer.
+    char* stage = reinterpret_cast<char*>(st.q[wg]);
+    if (count > 0) {
+      barrier_sync(kEpilogueSync, T::kThreads);
+      stage = reinterpret_cast<char*>(wg == 0 ? st.k + (last % kStages) * kBlockN * kHeadDim
+                                              : st.v + (last % kStages) * kBlockN * kHeadDim);
+    }
+    store_output<kHeadDim>(o_rc, co_rc, lse, stage, a, si, tile.b, head, q_begin, ltid, wg_barrier);
+    if (count > 0) {
+      cutlass::arch::fence_view_async_shared();  // the staging accesses before the next bulk copies
+      __syncwarp();
+      release(bars.empty_k, last);
+      release(bars.empty_v, last);
+    } else {
+      release_q();
+    }
   }
   leave();
 #endif
@@ -362,7 +401,7 @@ int resident_pairs(int device, int sms) {
 // A pair-multicast kernel needs TMA: where the tensors cannot be mapped it returns
 // cudaErrorNotSupported and launches nothing (the caller takes the single-CTA kernel).
 template <class T>
-cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, const int* overflow,
+cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& extents, const int* overflow,
                               cudaStream_t stream) {
   using C = WsConfig<T>;
   int device = 0, sms = 0;
@@ -382,7 +421,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, std::int64_t kv_tokens, 
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
-  desc.tma = !no_tma && encode_kv_maps<T>(*a, kv_tokens, desc) ? 1 : 0;
+  desc.tma = !no_tma && encode_maps<T>(*a, extents, desc) ? 1 : 0;
   // Persistent: one CTA per multiprocessor (the kernel's shared memory allows no second one).
   // BSATTN_GPU_CTA_PER_TILE=1 launches one CTA per work item instead (measurement switch).
   static const bool cta_per_tile = std::getenv("BSATTN_GPU_CTA_PER_TILE") != nullptr;

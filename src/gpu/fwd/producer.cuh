@@ -1,29 +1,35 @@
 // Producer side of the forward kernel: the K/V load pipeline (stage barriers, bulk tensor
-// copies or cp.async) and the host-side encoding of the tensor maps.
+// copies or cp.async), the Q loads and the host-side encoding of the tensor maps.
 #pragma once
 #include <cuda.h>
 
 #include <cutlass/arch/barrier.h>
 
 #include "bsattn/attention_params.hpp"
+#include "gpu/attention.hpp"
 #include "gpu/fwd/scheduler.cuh"
 #include "gpu/fwd/traits.cuh"
 
 namespace bsattn::gpu::fwd {
 
-// Stage barriers of the K and V pipelines.
-template <int kStages>
+// Stage barriers of the K and V pipelines, and of each consumer warpgroup's Q buffer.
+template <int kStages, int kWarpgroups>
 struct PipelineBarriers {
   alignas(8) std::uint64_t full_k[kStages], empty_k[kStages], full_v[kStages], empty_v[kStages];
+  std::uint64_t full_q[kWarpgroups], empty_q[kWarpgroups];
 };
 
-// Producer side: 128 threads copy one K or V tile (16 bytes each per step), then each thread
-// arrives on the stage's full barrier when its own copies have landed (count 128).
+// Threads of the cp.async K/V loader (producer warps 0-2; warp 3 is the tile warp).
+constexpr int kLoaderThreads = 96;
+
+// cp.async loader: kLoaderThreads threads copy one K or V tile (16 bytes each per step), then
+// each thread arrives on the stage's full barrier when its own copies have landed.
 template <class T, bool kIsV>
 __device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, const typename T::Element* base,
                                              std::int64_t token_stride, int k0, int n_valid, int stage, int ptid) {
   constexpr int kChunks = T::kHeadDim / 8;
-  constexpr int kRowsPerStep = 128 / kChunks;
+  constexpr int kRowsPerStep = kLoaderThreads / kChunks;
+  static_assert(kLoaderThreads % kChunks == 0, "whole rows per step");
   Tensor sK = make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(st.v), typename T::SmemLayoutVt{});
   const int d = (ptid % kChunks) * 8;
@@ -38,10 +44,10 @@ __device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, cons
   }
 }
 
-// Bulk tensor (TMA) maps of K and V as 4-D tensors (D, tokens, heads, batch); `tma` 0: the
+// Bulk tensor (TMA) maps of Q, K and V as 4-D tensors (D, tokens, heads, batch); `tma` 0: the
 // producer falls back to cp.async (per-token addressing).
 struct LaunchDescriptors {
-  CUtensorMap k, v;
+  CUtensorMap q, k, v;
   int tma;
 };
 
@@ -99,11 +105,11 @@ __device__ __forceinline__ void load_operand(typename T::Element* base, const CU
 }
 
 // Streams the K and V tiles of one work tile's routes into the stages, from the tile's pipeline
-// position on. TMA: thread 0 alone; cp.async: the 128 producer threads (ptid).
+// position on. TMA: thread 0 alone; cp.async: the kLoaderThreads loader threads (ptid).
 template <class T>
 __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, const AttentionParams& a,
                                                  const LaunchDescriptors& desc, typename T::SharedStorage& st,
-                                                 PipelineBarriers<T::kStages>& bars, int ptid) {
+                                                 PipelineBarriers<T::kStages, T::kWarpgroups>& bars, int ptid) {
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
@@ -150,11 +156,63 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
   }
 }
 
-// Encodes the K and V tensor maps for this run (host only: no stream work, capturable).
+// The tile warp's Q load: every consumer warpgroup's 64 query rows of `tile` into its Q buffer
+// once the warpgroup released the buffer (after the last S GEMM of its previous tile). TMA: lane
+// 0 issues D/64 boxes of 64 x 64 per warpgroup (rows past the sequence are rows of the next
+// sequence or zeros past the tensor: finite, and never stored); cp.async: the 32 lanes, rows past
+// the sequence zero-filled, each lane arriving when its copies have landed. A tile without routes
+// loads nothing (the arrivals alone: the consumers wait for every tile's Q). `parity`: the tile's
+// slot index (one Q load per tile, so phase t % 2).
+template <class T>
+__device__ __forceinline__ void load_q(const Tile& tile, int parity, bool tma, const AttentionParams& a,
+                                       const LaunchDescriptors& desc, typename T::SharedStorage& st,
+                                       PipelineBarriers<T::kStages, T::kWarpgroups>& bars, int pair_rank) {
+  using Element = typename T::Element;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  constexpr int kHeadDim = T::kHeadDim;
+  const route::RouteParams& p = a.route;
+  // Lane-dependent shared addresses from an opaque lane index: hoisted out of the tile loop, the
+  // 40-register warp spilled them.
+  const int lane = opaque_thread_index() % 32;
+  CUTE_UNROLL
+  for (int wg = 0; wg < T::kWarpgroups; ++wg) {
+    Barrier::wait(&bars.empty_q[wg], parity ^ 1);
+    const int head = tile.head + (T::kHeadsPerTile == 1 ? 0 : wg) + pair_rank;
+    const int row0 = tile.q0 + (T::kHeadsPerTile == 1 ? wg * 64 : 0);
+    if (tma) {
+      if (lane != 0) continue;
+      if (tile.count == 0) {
+        Barrier::arrive(&bars.full_q[wg]);
+        continue;
+      }
+      arrive_expect_tx(&bars.full_q[wg], 64 * kHeadDim * sizeof(Element));
+      const int token = (p.varlen_q ? static_cast<int>(tile.si.q_base) : 0) + row0;
+      CUTE_UNROLL
+      for (int c = 0; c < kHeadDim / 64; ++c)
+        tma_load_4d(st.q[wg] + c * 64 * 64, &desc.q, &bars.full_q[wg], c * 64, token, head, p.varlen_q ? 0 : tile.b);
+      continue;
+    }
+    if (tile.count > 0) {
+      constexpr int kChunks = kHeadDim / 8, kRowsPerStep = 32 / kChunks;
+      static_assert(kChunks <= 32 && 32 % kChunks == 0, "a warp covers whole rows");
+      const Element* q = static_cast<const Element*>(a.q);
+      const int d = (lane % kChunks) * 8;
+      Tensor sQ = make_tensor(make_smem_ptr(st.q[wg]), typename T::SmemLayoutQ{});
+#pragma unroll 2
+      for (int r = lane / kChunks; r < 64; r += kRowsPerStep) {
+        const bool valid = row0 + r < tile.si.seqlen_q;
+        cp_async_16(&sQ(r, d), valid ? q + a.q_offset(tile.b, tile.si, row0 + r, head) + d : q, valid);
+      }
+    }
+    cp_async_arrive_noinc(&bars.full_q[wg]);
+  }
+}
+
+// Encodes the Q, K and V tensor maps for this run (host only: no stream work, capturable).
 // Returns false where TMA cannot address the tensors (paged KV, strides or bases not 16-byte
 // aligned, no driver entry point); the kernel then loads with cp.async.
 template <class T>
-bool encode_kv_maps(const AttentionParams& a, std::int64_t kv_tokens, LaunchDescriptors& maps) {
+bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDescriptors& maps) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -168,25 +226,30 @@ bool encode_kv_maps(const AttentionParams& a, std::int64_t kv_tokens, LaunchDesc
   }();
   if (!encode || a.route.paged) return false;
   const std::int64_t e = sizeof(typename T::Element);
-  const auto one = [&](const void* base, std::int64_t bs, std::int64_t ts, std::int64_t hs, CUtensorMap& map) {
-    const bool varlen = a.route.varlen_kv;
-    cuuint64_t dims[4] = {static_cast<cuuint64_t>(T::kHeadDim),
-                          static_cast<cuuint64_t>(kv_tokens),
-                          static_cast<cuuint64_t>(a.route.heads_kv),
-                          static_cast<cuuint64_t>(varlen ? 1 : a.route.batch)};
+  // A 4-D map (D, tokens, heads, batch; varlen: one batch of all tokens) with boxes of 64 x rows.
+  const auto one = [&](const void* base, std::int64_t bs, std::int64_t ts, std::int64_t hs, bool varlen,
+                       std::int64_t tokens, int heads, int rows, CUtensorMap& map) {
+    cuuint64_t dims[4] = {static_cast<cuuint64_t>(T::kHeadDim), static_cast<cuuint64_t>(tokens),
+                          static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(varlen ? 1 : a.route.batch)};
     cuuint64_t strides[3] = {static_cast<cuuint64_t>(ts * e), static_cast<cuuint64_t>(hs * e),
-                             static_cast<cuuint64_t>((varlen ? ts * kv_tokens : bs) * e)};
+                             static_cast<cuuint64_t>((varlen ? ts * tokens : bs) * e)};
     if (reinterpret_cast<std::uintptr_t>(base) % 16 || strides[0] % 16 || strides[1] % 16 || strides[2] % 16 ||
         strides[2] == 0 || dims[1] == 0 || dims[1] > (std::uint64_t(1) << 31))
       return false;
-    cuuint32_t box[4] = {64, static_cast<cuuint32_t>(T::kPairMulticast ? T::kBlockN / 2 : T::kBlockN), 1, 1};
+    cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), 1, 1};
     cuuint32_t estr[4] = {1, 1, 1, 1};
     return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box, estr,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
   };
-  return one(a.k, a.k_batch_stride, a.k_token_stride, a.k_head_stride, maps.k) &&
-         one(a.v, a.v_batch_stride, a.v_token_stride, a.v_head_stride, maps.v);
+  const route::RouteParams& p = a.route;
+  const int kv_rows = T::kPairMulticast ? T::kBlockN / 2 : T::kBlockN;
+  return one(a.q, a.q_batch_stride, a.q_token_stride, a.q_head_stride, p.varlen_q, extents.q, p.heads_q, 64,
+             maps.q) &&
+         one(a.k, a.k_batch_stride, a.k_token_stride, a.k_head_stride, p.varlen_kv, extents.kv, p.heads_kv, kv_rows,
+             maps.k) &&
+         one(a.v, a.v_batch_stride, a.v_token_stride, a.v_head_stride, p.varlen_kv, extents.kv, p.heads_kv, kv_rows,
+             maps.v);
 }
 
 }  // namespace bsattn::gpu::fwd
