@@ -115,13 +115,11 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   // Named barrier ids: 0 __syncthreads; 1, 2 the consumer warpgroups; 3, 4 ping-pong.
   constexpr int kTileFull = 5, kTileEmpty = 7, kEpilogueSync = 9;
   const int handoff_threads = T::kThreads + 32 + (tma ? 32 : kLoaderThreads);
-  // Reader side of tile t: null when there is no more work.
+  // Reader side of tile t: null when there is no more work (then nothing is released).
   auto take_tile = [&](int t) -> const Tile* {
     barrier_sync(kTileFull + (t & 1), handoff_threads);
     const Tile* tile = &sm.tile[t & 1];
-    if (tile->row < 0) return nullptr;  // the producer is gone: nothing to release
-    if (t > 0) barrier_arrive(kTileEmpty + ((t - 1) & 1), handoff_threads);
-    return tile;
+    return tile->row < 0 ? nullptr : tile;
   };
 
   if (role == 0) {
@@ -229,16 +227,23 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     if (warp_leader) Barrier::arrive(&bars.empty_q[wg]);
   };
 
-  for (int t = 0;; ++t) {
-    const Tile* slot = take_tile(t);
-    if (!slot) break;
-    const Tile& tile = *slot;
+  // Tiles overlap at the boundary: the first S GEMM of tile t+1 is issued right after the last PV
+  // of tile t and runs under tile t's epilogue (its Q has landed: the tile warp loaded it once the
+  // last S GEMM of tile t freed the buffer). The waits are the same on every path (a branch
+  // between wait_group<1> and <0> made ptxas serialise every wgmma: C7514).
+  bool s_issued = false;  // S(first route) of `next` is in flight
+  const Tile* next = take_tile(0);
+  for (int t = 0; next; ++t) {
+    const Tile& tile = *next;
     Barrier::wait(&bars.full_q[wg], t & 1);
-    if (tile.q0 >= tile.si.seqlen_q) {  // a tile past the sequence end: no routes, no rows
-      release_q();
-      continue;
-    }
     cutlass::arch::fence_view_async_shared();  // the Q rows (cp.async) before wgmma reads them
+    const int count = tile.count, base = tile.first;  // pipeline position of the first route
+    if (count > 0 && !s_issued) {
+      wait_full(bars.full_k, base);
+      wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, base % kStages), tSrS);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
     // Thread-dependent addresses and coordinates are derived per tile from an opaque thread index:
     // hoisted out of the tile loop, they would stay live across the main loop and spill.
     const int ltid = opaque_thread_index() % 128;
@@ -248,7 +253,6 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     Tensor co_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
     const route::SeqInfo& si = tile.si;
     const route::Route* routes = tile.routes;
-    const int count = tile.count, base = tile.first;  // pipeline position of the first route
     // Without packing the warpgroups split the tile's rows; with it they take one head each.
     const int tile_row0 = T::kHeadsPerTile == 1 ? wg * 64 : 0;
     const int head = tile.head + (T::kHeadsPerTile == 1 ? 0 : wg) + pair_rank;
@@ -277,10 +281,6 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     // The last route's K and V stages stay held through the epilogue, which stages O in them.
     const int last = base + count - 1;
     if (count > 0) {
-      wait_full(bars.full_k, base);
-      wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, base % kStages), tSrS);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
       if (count > 1) release(bars.empty_k, base);
       else release_q();
       float rescale[kRows];  // of the last softmax: O takes it just before the next PV
@@ -326,23 +326,42 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       scale_rows(o_rc, rescale);
       wait_full(bars.full_v, last);
       wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, last % kStages), tOrO);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrO);
+      // Then the next tile's first S GEMM, or, where there is none, a discarded S GEMM on this
+      // tile's held stages (no other thread writes them now), so that the last PV is followed by
+      // one GEMM on every path (an empty group is not counted by ptxas: it serialised every
+      // wgmma). The next tile's Q can have landed only because this tile released its buffer.
+      next = take_tile(t + 1);
+      s_issued = next && next->count > 0;
+      int stage = last % kStages;
+      if (s_issued) {
+        Barrier::wait(&bars.full_q[wg], (t + 1) & 1);
+        cutlass::arch::fence_view_async_shared();
+        wait_full(bars.full_k, next->first);
+        stage = next->first % kStages;
+      }
+      wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
+      warpgroup_wait<1>();  // the last PV is done
+    } else {
+      next = take_tile(t + 1);
+      s_issued = false;
     }
+    warpgroup_fence_operand(tOrO);
 
-    float inv[kRows], lse[kRows];
-    softmax.finish(inv, lse, a.scale);
-    scale_rows(o_rc, inv);
-    // O is staged in the last route's K stage (warpgroup 0) or V stage (warpgroup 1), each at least
-    // 64 x D, once every consumer warpgroup is done with them; a tile without routes stages it in
-    // its own Q buffer.
-    char* stage = reinterpret_cast<char*>(st.q[wg]);
-    if (count > 0) {
-      barrier_sync(kEpilogueSync, T::kThreads);
-      stage = reinterpret_cast<char*>(wg == 0 ? st.k + (last % kStages) * kBlockN * kHeadDim
-                                              : st.v + (last % kStages) * kBlockN * kHeadDim);
+    if (tile.q0 < si.seqlen_q) {  // else a tile past the sequence end: no rows
+      float inv[kRows], lse[kRows];
+      softmax.finish(inv, lse, a.scale);
+      scale_rows(o_rc, inv);
+      // O is staged in the last route's K stage (warpgroup 0) or V stage (warpgroup 1), each at
+      // least 64 x D, once every consumer warpgroup is done with them; a tile without routes
+      // stages it in its own Q buffer.
+      char* stage = reinterpret_cast<char*>(st.q[wg]);
+      if (count > 0) {
+        barrier_sync(kEpilogueSync, T::kThreads);
+        stage = reinterpret_cast<char*>(wg == 0 ? st.k + (last % kStages) * kBlockN * kHeadDim
+                                                : st.v + (last % kStages) * kBlockN * kHeadDim);
+      }
+      store_output<kHeadDim>(o_rc, co_rc, lse, stage, a, si, tile.b, head, q_begin, ltid, wg_barrier);
     }
-    store_output<kHeadDim>(o_rc, co_rc, lse, stage, a, si, tile.b, head, q_begin, ltid, wg_barrier);
     if (count > 0) {
       cutlass::arch::fence_view_async_shared();  // the staging accesses before the next bulk copies
       __syncwarp();
@@ -351,7 +370,9 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     } else {
       release_q();
     }
+    barrier_arrive(kTileEmpty + (t & 1), handoff_threads);  // done with the slot
   }
+  warpgroup_wait<0>();  // a discarded S GEMM after the last tile
   leave();
 #endif
 }
