@@ -1,8 +1,14 @@
 // Epilogue: normalised O goes through shared memory (a 64 x D buffer the caller holds: the last
-// route's K or V stage) so that global stores are whole 16-byte row segments rather than 4-byte
-// fragments scattered over 8 rows (measured 2-9 % faster); LSE is stored from registers. Rows past the sequence end are
-// not stored.
+// route's K or V stage) so that global writes are whole row segments rather than 4-byte fragments
+// scattered over 8 rows (measured 2-9 % faster than direct stores); LSE is stored from registers.
+// Rows past the sequence end are not stored.
+// The staging layout is that of 128-byte-swizzled bulk tensor boxes (64 rows x 128 bytes each),
+// so a 16-bit O whose 64 rows all lie in the sequence leaves with D/64 bulk tensor stores issued
+// by one thread: the warpgroup does not wait for the global writes, only that thread waits until
+// the copy has read the buffer (the buffer goes back to the producer after). Other tiles, and a
+// 4-byte O, are copied by the warpgroup's threads in 16-byte row segments.
 #pragma once
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -18,19 +24,42 @@ __device__ __forceinline__ void store_pair_smem(char* dst, float x, float y) {
   else *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(x, y);
 }
 
+// Byte offset of (row, byte within the staged row) in 128-byte-swizzled boxes of 64 rows: the
+// 16-byte chunks of a box row are permuted by (row % 8), so that the fragment writes (8 rows per
+// instruction) and the row reads are free of bank conflicts.
+__device__ __forceinline__ int staged_offset(int row, int byte) {
+  return (byte / 128) * (64 * 128) + row * 128 + ((((byte % 128) / 16) ^ (row & 7)) * 16) + byte % 16;
+}
+
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* smem, int c0, int c1, int c2,
+                                             int c3) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<std::uint64_t>(map)),
+               "r"(s), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+// Waits until this thread's bulk stores have read shared memory (kRead) or completed.
+template <bool kRead>
+__device__ __forceinline__ void bulk_store_wait() {
+  if constexpr (kRead) asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
 // One warpgroup's 64 x kHeadDim output rows. `stage` holds 64 x kHeadDim 16-bit elements: a
-// 4-byte output type is staged in two column halves. Within a row, 16-byte chunks are swizzled
-// by (row % 8) so that both the fragment writes and the row reads are free of bank conflicts.
-// The validator guarantees O's base and strides are 16-byte aligned (SPEC: vector access).
+// 4-byte output type is staged in two column halves. `o_map`: the bulk tensor map of O (16-bit
+// outputs), or null. The validator guarantees O's base and strides are 16-byte aligned (SPEC:
+// vector access).
 template <class Out, int kHeadDim, class TO, class TC>
 __device__ __forceinline__ void store_tile(const TO& o, const TC& c, char* stage, const AttentionParams& a,
-                                           const route::SeqInfo& si, int b, int h, int q_begin, int wg_tid,
-                                           int barrier_id) {
+                                           const CUtensorMap* o_map, const route::SeqInfo& si, int b, int h,
+                                           int q_begin, int wg_tid, int barrier_id) {
   constexpr int kPasses = sizeof(Out) / 2;
   constexpr int kCols = kHeadDim / kPasses;      // output columns per pass
   constexpr int kRowBytes = kHeadDim * 2;        // staged bytes per row
   constexpr int kChunks = kRowBytes / 16;        // 16-byte chunks per row (>= 8)
   constexpr int kPerChunk = 16 / sizeof(Out);
+  const bool bulk = kPasses == 1 && o_map != nullptr && q_begin + 64 <= si.seqlen_q;
   CUTE_UNROLL
   for (int pass = 0; pass < kPasses; ++pass) {
     const int c0 = pass * kCols;
@@ -40,28 +69,40 @@ __device__ __forceinline__ void store_tile(const TO& o, const TC& c, char* stage
       for (int j = 0; j < size<1>(o); j += 2) {
         const int r = get<0>(c(i, j)), col = get<1>(c(i, j)) - c0;
         if (kPasses > 1 && (col < 0 || col >= kCols)) continue;
-        const int byte = col * static_cast<int>(sizeof(Out));
-        store_pair_smem<Out>(stage + r * kRowBytes + (((byte / 16) ^ (r & 7)) * 16) + byte % 16, o(i, j), o(i, j + 1));
+        store_pair_smem<Out>(stage + staged_offset(r, col * static_cast<int>(sizeof(Out))), o(i, j), o(i, j + 1));
       }
+    }
+    if (bulk) {
+      cutlass::arch::fence_view_async_shared();  // the writes above, before the bulk copy reads them
+      barrier_sync(barrier_id, 128);
+      if (wg_tid == 0) {
+        const int token = (a.route.varlen_q ? static_cast<int>(si.q_base) : 0) + q_begin;
+        CUTE_UNROLL
+        for (int box = 0; box < kHeadDim / 64; ++box)
+          tma_store_4d(o_map, stage + box * 64 * 128, box * 64, token, h, a.route.varlen_q ? 0 : b);
+        bulk_store_wait<true>();
+      }
+      return;
     }
     barrier_sync(barrier_id, 128);
     for (int idx = wg_tid; idx < 64 * kChunks; idx += 128) {
       const int r = idx / kChunks, chunk = idx % kChunks;
       const int q = q_begin + r;
       if (q >= si.seqlen_q) continue;
-      const char* src = stage + r * kRowBytes + ((chunk ^ (r & 7)) * 16);
+      const char* src = stage + staged_offset(r, chunk * 16);
       Out* dst = static_cast<Out*>(a.out) + a.out_offset(b, si, q, h) + c0 + chunk * kPerChunk;
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
     }
-    barrier_sync(barrier_id, 128);  // the buffer is free again (next pass, or back to the loader)
+    barrier_sync(barrier_id, 128);  // the buffer is free again (next pass, or back to the producer)
   }
 }
 
 // Normalised O (rowcol view `o`, coordinates `c` in the 64 x D tile) and LSE of one warpgroup.
 template <int kHeadDim, class TO, class TC, int kRows>
 __device__ __forceinline__ void store_output(const TO& o, const TC& c, const float (&lse)[kRows], char* stage,
-                                             const AttentionParams& a, const route::SeqInfo& si, int b,
-                                             int h, int q_begin, int wg_tid, int barrier_id) {
+                                             const AttentionParams& a, const CUtensorMap* o_map,
+                                             const route::SeqInfo& si, int b, int h, int q_begin, int wg_tid,
+                                             int barrier_id) {
   if (a.lse && (threadIdx.x % 4) == 0) {
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
@@ -71,13 +112,13 @@ __device__ __forceinline__ void store_output(const TO& o, const TC& c, const flo
   }
   switch (a.out_type) {
     case ElementType::f32:
-      store_tile<float, kHeadDim>(o, c, stage, a, si, b, h, q_begin, wg_tid, barrier_id);
+      store_tile<float, kHeadDim>(o, c, stage, a, nullptr, si, b, h, q_begin, wg_tid, barrier_id);
       break;
     case ElementType::f16:
-      store_tile<__half, kHeadDim>(o, c, stage, a, si, b, h, q_begin, wg_tid, barrier_id);
+      store_tile<__half, kHeadDim>(o, c, stage, a, o_map, si, b, h, q_begin, wg_tid, barrier_id);
       break;
     case ElementType::bf16:
-      store_tile<__nv_bfloat16, kHeadDim>(o, c, stage, a, si, b, h, q_begin, wg_tid, barrier_id);
+      store_tile<__nv_bfloat16, kHeadDim>(o, c, stage, a, o_map, si, b, h, q_begin, wg_tid, barrier_id);
       break;
   }
 }

@@ -139,8 +139,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         constexpr int s = decltype(slot_index)::value;
         Tile& slot = sm.tile[s];
         const Tile& prev = sm.tile[1 - s];
-        // Lane 0's read, shared before lane 0 overwrites the flag below.
-        if (__shfl_sync(0xffffffffu, slot.written, 0)) barrier_sync(kTileEmpty + s, handoff_threads);
+        // Lane 0 alone reads the flag it writes below.
+        if (__shfl_sync(0xffffffffu, lane == 0 ? slot.written : 0, 0)) barrier_sync(kTileEmpty + s, handoff_threads);
         if (lane == 0) {
           const bool first = !prev.written;
           const int item = first ? first_item<kPair>() : next_item<kPair>(a, prev.item);
@@ -360,7 +360,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         stage = reinterpret_cast<char*>(wg == 0 ? st.k + (last % kStages) * kBlockN * kHeadDim
                                                 : st.v + (last % kStages) * kBlockN * kHeadDim);
       }
-      store_output<kHeadDim>(o_rc, co_rc, lse, stage, a, si, tile.b, head, q_begin, ltid, wg_barrier);
+      store_output<kHeadDim>(o_rc, co_rc, lse, stage, a, desc.tma_out ? &desc.o : nullptr, si, tile.b, head,
+                             q_begin, ltid, wg_barrier);
     }
     if (count > 0) {
       cutlass::arch::fence_view_async_shared();  // the staging accesses before the next bulk copies
@@ -373,6 +374,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     barrier_arrive(kTileEmpty + (t & 1), handoff_threads);  // done with the slot
   }
   warpgroup_wait<0>();  // a discarded S GEMM after the last tile
+  bulk_store_wait<false>();  // O's bulk stores have completed before the CTA exits
   leave();
 #endif
 }

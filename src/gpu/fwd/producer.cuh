@@ -44,11 +44,12 @@ __device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, cons
   }
 }
 
-// Bulk tensor (TMA) maps of Q, K and V as 4-D tensors (D, tokens, heads, batch); `tma` 0: the
-// producer falls back to cp.async (per-token addressing).
+// Bulk tensor (TMA) maps of Q, K, V and O as 4-D tensors (D, tokens, heads, batch). `tma` 0: the
+// producer falls back to cp.async (per-token addressing); `tma_out` 0: no map of O (a 4-byte
+// output type, or one TMA cannot address), the epilogue copies with its threads.
 struct LaunchDescriptors {
-  CUtensorMap q, k, v;
-  int tma;
+  CUtensorMap q, k, v, o;
+  int tma, tma_out;
 };
 
 __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1,
@@ -208,9 +209,9 @@ __device__ __forceinline__ void load_q(const Tile& tile, int parity, bool tma, c
   }
 }
 
-// Encodes the Q, K and V tensor maps for this run (host only: no stream work, capturable).
-// Returns false where TMA cannot address the tensors (paged KV, strides or bases not 16-byte
-// aligned, no driver entry point); the kernel then loads with cp.async.
+// Encodes the Q, K, V and O tensor maps for this run (host only: no stream work, capturable).
+// Returns false where TMA cannot address Q, K or V (paged KV, strides or bases not 16-byte
+// aligned, no driver entry point); the kernel then loads with cp.async. Sets maps.tma_out.
 template <class T>
 bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDescriptors& maps) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -244,6 +245,8 @@ bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDe
   };
   const route::RouteParams& p = a.route;
   const int kv_rows = T::kPairMulticast ? T::kBlockN / 2 : T::kBlockN;
+  maps.tma_out = a.out_type != ElementType::f32 && one(a.out, a.out_batch_stride, a.out_token_stride,
+                                                       a.out_head_stride, p.varlen_q, extents.q, p.heads_q, 64, maps.o);
   return one(a.q, a.q_batch_stride, a.q_token_stride, a.q_head_stride, p.varlen_q, extents.q, p.heads_q, 64,
              maps.q) &&
          one(a.k, a.k_batch_stride, a.k_token_stride, a.k_head_stride, p.varlen_kv, extents.kv, p.heads_kv, kv_rows,
