@@ -280,6 +280,15 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
 
     // The last route's K and V stages stay held through the epilogue, which stages O in them.
     const int last = base + count - 1;
+    // What the epilogue needs of the slot, read before the next tile is taken: racecheck did not
+    // follow the slot's release (kTileEmpty) for reads between taking the next tile and it.
+    route::SeqInfo out_si;
+    int out_b = 0;
+    const auto take_next = [&]() {
+      out_si = si;
+      out_b = tile.b;
+      return take_tile(t + 1);
+    };
     if (count > 0) {
       if (count > 1) release(bars.empty_k, base);
       else release_q();
@@ -330,7 +339,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       // tile's held stages (no other thread writes them now), so that the last PV is followed by
       // one GEMM on every path (an empty group is not counted by ptxas: it serialised every
       // wgmma). The next tile's Q can have landed only because this tile released its buffer.
-      next = take_tile(t + 1);
+      next = take_next();
       s_issued = next && next->count > 0;
       int stage = last % kStages;
       if (s_issued) {
@@ -342,12 +351,12 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
       warpgroup_wait<1>();  // the last PV is done
     } else {
-      next = take_tile(t + 1);
+      next = take_next();
       s_issued = false;
     }
     warpgroup_fence_operand(tOrO);
 
-    if (tile.q0 < si.seqlen_q) {  // else a tile past the sequence end: no rows
+    if (q_begin - tile_row0 < out_si.seqlen_q) {  // else a tile past the sequence end: no rows
       float inv[kRows], lse[kRows];
       softmax.finish(inv, lse, a.scale);
       scale_rows(o_rc, inv);
@@ -360,7 +369,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         stage = reinterpret_cast<char*>(wg == 0 ? st.k + (last % kStages) * kBlockN * kHeadDim
                                                 : st.v + (last % kStages) * kBlockN * kHeadDim);
       }
-      store_output<kHeadDim>(o_rc, co_rc, lse, stage, a, desc.tma_out ? &desc.o : nullptr, si, tile.b, head,
+      store_output<kHeadDim>(o_rc, co_rc, lse, stage, a, desc.tma_out ? &desc.o : nullptr, out_si, out_b, head,
                              q_begin, ltid, wg_barrier);
     }
     if (count > 0) {
