@@ -253,9 +253,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     Tensor co_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
     const route::SeqInfo& si = tile.si;
     const route::Route* routes = tile.routes;
-    // Without packing the warpgroups split the tile's rows; with it they take one head each.
-    const int tile_row0 = T::kHeadsPerTile == 1 ? wg * 64 : 0;
-    const int head = tile.head + (T::kHeadsPerTile == 1 ? 0 : wg) + pair_rank;
+    const int tile_row0 = warpgroup_row0<T>(wg);
+    const int head = warpgroup_head<T>(tile, wg, pair_rank);
     const int q_begin = tile.q0 + tile_row0;
     unsigned present = 0;  // units of the tile that lie inside the sequence
     for (int u = 0; u * p.unit_m < T::kBlockM; ++u)

@@ -175,25 +175,30 @@ __device__ __forceinline__ void load_q(const Tile& tile, int parity, bool tma, c
   // Lane-dependent shared addresses from an opaque lane index: hoisted out of the tile loop, the
   // 40-register warp spilled them.
   const int lane = opaque_thread_index() % 32;
-  CUTE_UNROLL
-  for (int wg = 0; wg < T::kWarpgroups; ++wg) {
-    Barrier::wait(&bars.empty_q[wg], parity ^ 1);
-    const int head = tile.head + (T::kHeadsPerTile == 1 ? 0 : wg) + pair_rank;
-    const int row0 = tile.q0 + (T::kHeadsPerTile == 1 ? wg * 64 : 0);
-    if (tma) {
-      if (lane != 0) continue;
+  if (tma) {
+    if (lane != 0) return;
+    CUTE_UNROLL
+    for (int wg = 0; wg < T::kWarpgroups; ++wg) {
+      Barrier::wait(&bars.empty_q[wg], parity ^ 1);
       if (tile.count == 0) {
         Barrier::arrive(&bars.full_q[wg]);
         continue;
       }
       arrive_expect_tx(&bars.full_q[wg], 64 * kHeadDim * sizeof(Element));
-      const int token = (p.varlen_q ? static_cast<int>(tile.si.q_base) : 0) + row0;
+      const int token = (p.varlen_q ? static_cast<int>(tile.si.q_base) : 0) + tile.q0 + warpgroup_row0<T>(wg);
       CUTE_UNROLL
       for (int c = 0; c < kHeadDim / 64; ++c)
-        tma_load_4d(st.q[wg] + c * 64 * 64, &desc.q, &bars.full_q[wg], c * 64, token, head, p.varlen_q ? 0 : tile.b);
-      continue;
+        tma_load_4d(st.q[wg] + c * 64 * 64, &desc.q, &bars.full_q[wg], c * 64, token,
+                    warpgroup_head<T>(tile, wg, pair_rank), p.varlen_q ? 0 : tile.b);
     }
+    return;
+  }
+  CUTE_UNROLL
+  for (int wg = 0; wg < T::kWarpgroups; ++wg) {
+    Barrier::wait(&bars.empty_q[wg], parity ^ 1);
     if (tile.count > 0) {
+      const int head = warpgroup_head<T>(tile, wg, pair_rank);
+      const int row0 = tile.q0 + warpgroup_row0<T>(wg);
       constexpr int kChunks = kHeadDim / 8, kRowsPerStep = 32 / kChunks;
       static_assert(kChunks <= 32 && 32 % kChunks == 0, "a warp covers whole rows");
       const Element* q = static_cast<const Element*>(a.q);

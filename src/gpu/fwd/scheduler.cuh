@@ -39,6 +39,18 @@ struct Tile {
   const route::Route* routes;
 };
 
+// First row (in the route tile) and query head of consumer warpgroup `wg`: without packing the
+// warpgroups split the tile's rows, with it (Traits::kHeadsPerTile 2) they take one head each; the
+// two CTAs of a pair take one head each (`pair_rank`).
+template <class T>
+__host__ __device__ __forceinline__ int warpgroup_row0(int wg) {
+  return T::kHeadsPerTile == 1 ? wg * 64 : 0;
+}
+template <class T>
+__host__ __device__ __forceinline__ int warpgroup_head(const Tile& tile, int wg, int pair_rank) {
+  return tile.head + (T::kHeadsPerTile == 1 ? 0 : wg) + pair_rank;
+}
+
 // Written field by field into the shared slot `t` as each is known: built in registers first, the
 // whole tile stayed live in the 40-register producer and spilled. The item, the KV head and the
 // pipeline position are kept in the slot for the same reason (registers held across the
