@@ -17,30 +17,13 @@
 #include "bsattn/route/params.hpp"
 #include "bsattn/route/route.hpp"
 #include "formats/bind.hpp"
+#include "formats/structure.hpp"
 #if BSATTN_WITH_CUDA
 #include <cuda_runtime.h>
 #endif
 
 namespace bsattn::formats {
 namespace {
-
-constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
-// Q/K/V/O rows and summaries are read as 16-byte vectors by the GPU kernels.
-constexpr std::int64_t kVectorAlignment = 16;
-
-std::string str(std::int64_t v) { return std::to_string(v); }
-
-// Messages are built only on failure: the structural checks run on every call.
-template <class Name, class Message>
-void expect(bool ok, const Name& argument, const Message& message) {
-  if (!ok) throw Error(argument, message());
-}
-
-std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
-
-bool is_varlen(const Problem& pb) { return pb.q_layout == QLayout::varlen; }
-bool is_paged(const Problem& pb) { return pb.kv_layout == KVLayout::paged; }
-bool is_varlen_kv(const Problem& pb) { return is_varlen(pb) && !is_paged(pb); }
 
 // Formats whose rows are enumerated per sequence (SPEC §3.2 order) rather than [Bs, Hs, nQB].
 bool has_varlen_rows(const Problem& pb) {
@@ -173,128 +156,7 @@ void check_int32_extents(const Problem& pb, const TileShape& tiles) {
                       "routes per row (KV tiles plus proxies)");
 }
 
-// ---- Tensor structure ----------------------------------------------------------------------
-
-// One dimension of an expected shape: an extent in [lowest, highest], named for messages.
-struct Dim {
-  const char* label;
-  std::int64_t lowest, highest;
-  std::string describe() const {
-    if (lowest == highest) return std::string(label) + "=" + str(lowest);
-    if (highest == kInt32Max) return std::string(label) + ">=" + str(lowest);
-    return std::string(label) + " in [" + str(lowest) + ", " + str(highest) + "]";
-  }
-};
-Dim exactly(const char* label, std::int64_t n) { return {label, n, n}; }
-Dim at_least(const char* label, std::int64_t n) { return {label, n, kInt32Max}; }
-Dim any_extent(const char* label) { return {label, 0, kInt32Max}; }
-Dim between(const char* label, std::int64_t lowest, std::int64_t highest) { return {label, lowest, highest}; }
-
-std::string describe(const std::vector<Dim>& dims) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + dims[i].describe();
-  return s + "]";
-}
-
-// How the engines address a tensor, which decides its stride and alignment rules.
-enum class Access {
-  strided,         // every stride is read from the view (block lists, bitmask words, LSE)
-  row_contiguous,  // raw pointer along the last dimension (cu_*, bsr, block_table, doc ids, kv_valid)
-  vectors,         // D-vectors loaded 16 bytes at a time (Q, K, V, O, summaries)
-};
-
-struct ByteRange {
-  std::uintptr_t begin = 0, end = 0;
-  std::size_t size() const { return end - begin; }
-};
-
-// Bytes a view can touch; strides are non-negative once structure is checked.
-ByteRange byte_range(const TensorView& t) {
-  ByteRange r;
-  r.begin = r.end = reinterpret_cast<std::uintptr_t>(t.data);
-  if (t.numel() == 0) return r;
-  std::int64_t last = 0;
-  for (int i = 0; i < t.rank; ++i) last += (t.shape[i] - 1) * t.stride[i];
-  r.end = r.begin + static_cast<std::uintptr_t>((last + 1) * static_cast<std::int64_t>(element_size(t.dtype)));
-  return r;
-}
-
-bool overlap(const ByteRange& a, const ByteRange& b) {
-  return a.size() > 0 && b.size() > 0 && a.begin < b.end && b.begin < a.end;
-}
-
-void expect_device(const std::string& name, const TensorView& t, const Problem& pb) {
-  const bool same = t.device == pb.device && (pb.device == Device::cpu || t.device_index == pb.device_index);
-  expect(same, name, [&] {
-    return std::string("is on ") + to_string(t.device) + ":" + str(t.device_index) + ", but the problem runs on " +
-           to_string(pb.device) + ":" + str(pb.device_index);
-  });
-}
-
-void expect_shape(const std::string& name, const TensorView& t, const std::vector<Dim>& dims) {
-  expect(t.rank == static_cast<int>(dims.size()), name, [&] {
-    return "has rank " + str(t.rank) + " (shape " + t.shape_string() + "), expected rank " + str(dims.size()) + " " +
-           describe(dims);
-  });
-  for (int i = 0; i < t.rank; ++i)
-    expect(t.shape[i] >= dims[i].lowest && t.shape[i] <= dims[i].highest, name, [&] {
-      return "has shape " + t.shape_string() + ", expected " + describe(dims) + ": dimension " + str(i) + " (" +
-             dims[i].label + ") is " + str(t.shape[i]);
-    });
-}
-
-void expect_dtype(const std::string& name, const TensorView& t, DType dtype) {
-  expect(t.dtype == dtype, name,
-         [&] { return std::string("has dtype ") + to_string(t.dtype) + ", expected " + to_string(dtype); });
-}
-
-void expect_strides(const std::string& name, const TensorView& t, Access access) {
-  for (int i = 0; i < t.rank; ++i)
-    expect(t.stride[i] >= 0, name,
-           [&] { return "stride " + str(i) + " = " + str(t.stride[i]) + " is negative; expected strides >= 0"; });
-  const int last = t.rank - 1;
-  if (access != Access::strided && t.rank > 0)
-    expect(t.stride[last] == 1 || t.shape[last] <= 1, name,
-           [&] { return "last dimension has stride " + str(t.stride[last]) + ", expected 1 (contiguous)"; });
-  const std::int64_t elem = static_cast<std::int64_t>(element_size(t.dtype));
-  const std::int64_t alignment = access == Access::vectors ? kVectorAlignment : elem;
-  const auto misalignment = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(t.data) % alignment);
-  expect(misalignment == 0, name, [&] {
-    return "base address is " + str(misalignment) + " bytes past a " + str(alignment) + "-byte boundary, expected " +
-           str(alignment) + "-byte alignment";
-  });
-  if (access != Access::vectors) return;
-  // Dimensions of extent 1 are never stepped over, so their strides do not matter.
-  for (int i = 0; i < last; ++i)
-    expect(t.shape[i] <= 1 || (t.stride[i] * elem) % alignment == 0, name, [&] {
-      return "stride " + str(i) + " = " + str(t.stride[i]) + " elements (" + str(t.stride[i] * elem) +
-             " bytes) is not a multiple of " + str(alignment) + " bytes";
-    });
-}
-
-// Two output elements sharing an address would be written by two workers.
-void expect_no_self_overlap(const std::string& name, const TensorView& t) {
-  std::vector<int> dims;
-  for (int i = 0; i < t.rank; ++i)
-    if (t.shape[i] > 1) dims.push_back(i);
-  std::sort(dims.begin(), dims.end(), [&](int a, int b) { return t.stride[a] < t.stride[b]; });
-  std::int64_t span = 1;  // elements covered by the dimensions inside the current one
-  for (int i : dims) {
-    expect(t.stride[i] >= span, name, [&] {
-      return "dimension " + str(i) + " has stride " + str(t.stride[i]) + " but the dimensions inside it span " +
-             str(span) + " elements: distinct elements would share memory";
-    });
-    span = t.stride[i] * (t.shape[i] - 1) + span;
-  }
-}
-
-void expect_tensor(const Problem& pb, const std::string& name, const TensorView& t, const std::vector<Dim>& dims,
-                   DType dtype, Access access) {
-  expect_device(name, t, pb);
-  expect_shape(name, t, dims);
-  expect_dtype(name, t, dtype);
-  expect_strides(name, t, access);
-}
+// ---- Tensor structure (the generic rules are in structure.hpp) -------------------------------
 
 // Named input fields, so that messages and the "given but not read" rule share one table.
 struct Field {
@@ -377,22 +239,6 @@ class InputChecker {
   std::vector<const TensorView*> read_;
 };
 
-// Extents every structural rule is written in.
-struct Extents {
-  std::int64_t B, Sq, Skv, Hq, Hkv, D, Hs, Bs, nQB, nKB, words;
-  explicit Extents(const Problem& pb)
-      : B(pb.batch),
-        Sq(pb.max_seqlen_q),
-        Skv(pb.max_seqlen_kv),
-        Hq(pb.heads_q),
-        Hkv(pb.heads_kv),
-        D(pb.head_dim),
-        Hs(pb.sparsity_heads),
-        Bs(pb.sparsity_batch),
-        nQB(ceil_div(pb.max_seqlen_q, pb.block.q)),
-        nKB(ceil_div(pb.max_seqlen_kv, pb.block.kv)),
-        words(ceil_div(nKB, 32)) {}
-};
 
 void check_block_set(InputChecker& c, const Problem& pb, const Extents& e, const BlockSet& set) {
   const bool varlen_rows = has_varlen_rows(pb);
@@ -426,19 +272,6 @@ void check_block_set(InputChecker& c, const Problem& pb, const Extents& e, const
   }
 }
 
-// Q and O.
-std::vector<Dim> q_dims(const Problem& pb, const Extents& e) {
-  if (is_varlen(pb)) return {exactly("total_q", pb.total_q), exactly("Hq", e.Hq), exactly("D", e.D)};
-  return {exactly("B", e.B), exactly("Sq", e.Sq), exactly("Hq", e.Hq), exactly("D", e.D)};
-}
-
-std::vector<Dim> kv_dims(const Problem& pb, const Extents& e) {
-  if (is_paged(pb))
-    return {exactly("num_pages", pb.num_pages), exactly("page_size", pb.page_size), exactly("Hkv", e.Hkv),
-            exactly("D", e.D)};
-  if (is_varlen_kv(pb)) return {exactly("total_kv", pb.total_kv), exactly("Hkv", e.Hkv), exactly("D", e.D)};
-  return {exactly("B", e.B), exactly("Skv", e.Skv), exactly("Hkv", e.Hkv), exactly("D", e.D)};
-}
 
 void check_inputs(InputChecker& c, const Problem& pb, const Inputs& in) {
   const Extents e(pb);
@@ -496,14 +329,11 @@ void check_inputs(InputChecker& c, const Problem& pb, const Inputs& in) {
 
 void check_outputs(const Problem& pb, const Outputs& out, const std::vector<Field>& inputs) {
   const Extents e(pb);
-  const bool varlen = is_varlen(pb);
   expect(out.out.defined(), "outputs.out", [&] { return "is required but not given"; });
   expect_tensor(pb, "outputs.out", out.out, q_dims(pb, e), pb.out_dtype, Access::vectors);
   expect_no_self_overlap("outputs.out", out.out);
   if (out.lse.defined()) {
-    const std::vector<Dim> l = varlen ? std::vector<Dim>{exactly("Hq", e.Hq), exactly("total_q", pb.total_q)}
-                                      : std::vector<Dim>{exactly("B", e.B), exactly("Hq", e.Hq), exactly("Sq", e.Sq)};
-    expect_tensor(pb, "outputs.lse", out.lse, l, DType::f32, Access::strided);
+    expect_tensor(pb, "outputs.lse", out.lse, lse_dims(pb, e), DType::f32, Access::strided);
     expect_no_self_overlap("outputs.lse", out.lse);
   }
 
