@@ -22,7 +22,8 @@ bsattn_setup() {
   fi
 
   # CUTLASS / CuTe headers for the GPU code, from the pinned PyPI package (never vendored).
-  if command -v nvcc >/dev/null 2>&1; then
+  # BSATTN_SETUP_CUDA=0: a CPU-only build (./bsattn on a machine without a GPU) needs none.
+  if [ "${BSATTN_SETUP_CUDA:-1}" != 0 ] && command -v nvcc >/dev/null 2>&1; then
     local want=4.2.0.0 have
     have=$(python3 -c "import importlib.metadata as m; print(m.version('nvidia-cutlass'))" 2>/dev/null || true)
     if [ "$have" != "$want" ]; then

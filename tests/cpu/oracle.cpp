@@ -373,12 +373,16 @@ OracleResult Oracle::compute() const {
           }
           double* o = &r.out[static_cast<std::size_t>((row * H + h) * D)];
           r.attended[row * H + h] = static_cast<int>(scores.size());
-          if (scores.empty()) {
+          // IEEE semantics for non-finite inputs: a NaN score makes the row NaN (max_element would
+          // skip it); an infinite score gives inf - inf = NaN weights, as in any plain softmax; a
+          // -inf score weighs 0, like a masked token, so a row of only -inf scores is empty.
+          double m = -std::numeric_limits<double>::infinity();
+          for (double s : scores) m = (s != s || m != m) ? nan() : std::max(m, s);
+          if (m == -std::numeric_limits<double>::infinity()) {
             std::fill(o, o + D, 0.0);
-            r.lse[row * H + h] = -std::numeric_limits<double>::infinity();
+            r.lse[row * H + h] = m;
             continue;
           }
-          const double m = *std::max_element(scores.begin(), scores.end());
           weights.resize(scores.size());
           double denominator = 0;
           for (std::size_t i = 0; i < scores.size(); ++i) denominator += weights[i] = std::exp(scores[i] - m);
@@ -435,7 +439,10 @@ std::string compare_outputs(const bsattn::Problem& problem, const Oracle& oracle
           const double got = varlen ? read_real(outputs.out, {row, h, d}) : read_real(outputs.out, {b, qi, h, d});
           const double want = expected.out[static_cast<std::size_t>((row * H + h) * D + d)];
           const double err = std::fabs(got - want);
-          if (!(err <= tol.out_abs + tol.out_rel * std::fabs(want))) {
+          // Non-finite references (NaN / inf inputs): the row must show it, NaN as NaN.
+          const bool ok = std::isfinite(want) ? err <= tol.out_abs + tol.out_rel * std::fabs(want)
+                                              : (want != want ? got != got : !std::isfinite(got));
+          if (!ok) {
             std::ostringstream m;
             m << "O" << where() << " d=" << d << ": got " << got << " want " << want;
             fail(m.str());
@@ -445,7 +452,7 @@ std::string compare_outputs(const bsattn::Problem& problem, const Oracle& oracle
         if (!outputs.lse.defined()) continue;
         const double got = varlen ? read_real(outputs.lse, {h, row}) : read_real(outputs.lse, {b, h, qi});
         const double want = expected.lse[row * H + h];
-        const bool ok = std::isinf(want) ? got == want : std::fabs(got - want) <= tol.lse_abs;
+        const bool ok = want != want ? got != got : std::isinf(want) ? got == want : std::fabs(got - want) <= tol.lse_abs;
         if (!ok) {
           std::ostringstream m;
           m << "LSE" << where() << ": got " << got << " want " << want;

@@ -131,7 +131,19 @@ struct RowState {
   float& l;
 };
 
-// Rescales the state to a new running max; returns the factor for the incoming terms' base.
+// The largest of row[0, n), or NaN when one of them is NaN: a NaN score (from a NaN in Q or K)
+// must reach the row's output, not be skipped by the comparison (std::max drops it).
+inline float nan_propagating_max(const float* row, int n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  for (int j = 0; j < n; ++j) {
+    mx = std::max(mx, row[j]);
+    nan |= row[j] != row[j];
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : mx;
+}
+
+// Rescales the state to a new running max (NaN makes every term NaN from here on).
 inline void rescale(RowState s, float new_max, int d) {
   if (new_max <= s.m) return;
   const float c = s.m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(s.m - new_max);
@@ -196,6 +208,40 @@ inline float exp_shifted_in_place(float* row, int n, float shift) {
   float total = 0.0f;
   for (int c = 0; c < 8; ++c) total += sum[c];
   return total;
+}
+
+// Sets to -inf the scores sr[j], j < nk, of query q (head h) against KV tokens k0 + j that the
+// token mask hides: positional terms as two intervals (cheap, vectorisable), the per-token tensors
+// and the custom functor only when present. Used on partial (masked) routes only.
+template <class TokenMask>
+inline void apply_token_mask(const route::RouteParams& p, const route::SeqInfo& s, int b, int h, int q, int k0,
+                             int nk, float* sr, const TokenMask& mask) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const route::PositionalBounds bounds = route::positional_bounds(p, s, q);
+  for (int j = 0; j < nk; ++j)
+    if (!bounds.visible(k0 + j)) sr[j] = neg_inf;
+  if (TokenMask::kActive || p.doc_q || p.kv_valid)
+    for (int j = 0; j < nk; ++j)
+      if (!route::token_tensors_visible(p, s, b, q, k0 + j) || !mask(b, h, q, k0 + j)) sr[j] = neg_inf;
+}
+
+enum class KVTensor { k, v };
+
+// Tokens [k0, k0 + n) of KV head hkv of K or V in fp32, as rows (rows[j * d + i]) and/or
+// transposed (transposed[i * tn + j]); either destination may be null. tmp holds d floats.
+inline void load_kv_tile(const AttentionParams& a, KVTensor which, int b, const route::SeqInfo& s, int k0, int n,
+                         int hkv, float* rows, float* transposed, int tn, float* tmp) {
+  const bool k = which == KVTensor::k;
+  const int d = a.head_dim;
+  for (int j = 0; j < n; ++j) {
+    float* row = rows ? rows + static_cast<std::size_t>(j) * d : tmp;
+    load_row(k ? a.k : a.v,
+             a.kv_offset(b, s, k0 + j, hkv, k ? a.k_batch_stride : a.v_batch_stride,
+                         k ? a.k_token_stride : a.v_token_stride, k ? a.k_head_stride : a.v_head_stride),
+             d, a.in_type, row);
+    if (transposed)
+      for (int i = 0; i < d; ++i) transposed[i * tn + j] = row[i];
+  }
 }
 
 // score[r][j] = <q_r, k_j> for the group's rows and j < n (n a multiple of 16, k^T row stride tn).
@@ -284,13 +330,8 @@ void attend_item(const AttentionParams& a, int row, int h, float* scratch, const
     if (rt.kind == static_cast<std::uint8_t>(route::RouteKind::exact)) {
       const int k0 = rt.index * tn;
       const int nk = std::min(tn, s.seqlen_kv - k0);
-      for (int j = 0; j < nk; ++j) {
-        detail::load_row(a.k, a.kv_offset(rc.b, s, k0 + j, hkv, a.k_batch_stride, a.k_token_stride, a.k_head_stride),
-                         d, a.in_type, tmp);
-        for (int i = 0; i < d; ++i) kt[i * tn + j] = tmp[i];
-        detail::load_row(a.v, a.kv_offset(rc.b, s, k0 + j, hkv, a.v_batch_stride, a.v_token_stride, a.v_head_stride),
-                         d, a.in_type, v + j * d);
-      }
+      detail::load_kv_tile(a, detail::KVTensor::k, rc.b, s, k0, nk, hkv, nullptr, kt, tn, tmp);
+      detail::load_kv_tile(a, detail::KVTensor::v, rc.b, s, k0, nk, hkv, v, nullptr, tn, tmp);
       const int n_padded = (nk + 15) / 16 * 16;  // <= tn: tile_n is a multiple of 16
       for (int r0 = 0; r0 < rows; r0 += detail::kRowGroup) {
         const int unit = r0 / p.unit_m;
@@ -303,18 +344,8 @@ void attend_item(const AttentionParams& a, int row, int h, float* scratch, const
             std::fill(sr, sr + nk, 0.0f);
             continue;
           }
-          if ((rt.masked >> unit) & 1u) {
-            // Positional terms as two intervals (cheap, vectorisable); per-token terms only when present.
-            const route::PositionalBounds bounds = route::positional_bounds(p, s, q0 + r);
-            for (int j = 0; j < nk; ++j)
-              if (!bounds.visible(k0 + j)) sr[j] = neg_inf;
-            if (TokenMask::kActive || p.doc_q || p.kv_valid)
-              for (int j = 0; j < nk; ++j)
-                if (!route::token_tensors_visible(p, s, rc.b, q0 + r, k0 + j) || !mask(rc.b, h, q0 + r, k0 + j))
-                  sr[j] = neg_inf;
-          }
-          float mx = neg_inf;
-          for (int j = 0; j < nk; ++j) mx = std::max(mx, sr[j]);
+          if ((rt.masked >> unit) & 1u) detail::apply_token_mask(p, s, rc.b, h, q0 + r, k0, nk, sr, mask);
+          const float mx = detail::nan_propagating_max(sr, nk);
           if (mx == neg_inf) {  // nothing visible in this tile for this row
             std::fill(sr, sr + nk, 0.0f);
             continue;
@@ -338,6 +369,7 @@ void attend_item(const AttentionParams& a, int row, int h, float* scratch, const
         if (!((rt.rows >> (r / p.unit_m)) & 1u)) continue;
         float dot = 0.0f;
         for (int i = 0; i < d; ++i) dot += q[r * d + i] * tmp[i];
+        if (dot == neg_inf) continue;  // weight 0 (an infinite Q or summary element), as in the exact path
         RowState st{acc + r * d, row_max[r], row_sum[r]};
         detail::rescale(st, dot + log_n, d);
         const float w = std::exp(dot - st.m);
@@ -382,10 +414,10 @@ struct Workspace {
   std::size_t scratch_per_thread = 0;
 };
 
-// Prepare routes, then attend. Throws bsattn::Error on route-capacity overflow, before any
-// output is written.
+// Prepares every route row into the workspace and points `a` at it. Throws bsattn::Error on
+// route-capacity overflow (nothing has been written then).
 template <class TokenMask>
-void run(AttentionParams& a, const Workspace& ws, const TokenMask& mask) {
+void prepare_routes_or_throw(AttentionParams& a, const Workspace& ws, const TokenMask& mask) {
   a.routes = ws.routes;
   a.route_counts = ws.counts;
   const RowOverflow o = prepare_routes(a, ws.routes, ws.counts, *ws.pool, mask);
@@ -396,6 +428,13 @@ void run(AttentionParams& a, const Workspace& ws, const TokenMask& mask) {
                                           std::to_string(o.needed) + " routes; capacity is " +
                                           std::to_string(a.route.capacity));
   }
+}
+
+// Prepare routes, then attend. Throws bsattn::Error on route-capacity overflow, before any
+// output is written.
+template <class TokenMask>
+void run(AttentionParams& a, const Workspace& ws, const TokenMask& mask) {
+  prepare_routes_or_throw(a, ws, mask);
   attend(a, *ws.pool, ws.scratch, ws.scratch_per_thread, mask);
 }
 

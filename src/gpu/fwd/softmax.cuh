@@ -57,11 +57,12 @@ struct OnlineSoftmax {
   }
 
   // Final 1 / sum per row (0 for an empty row) and the natural-log LSE (-inf for an empty row).
+  // fmaxf in step() skips NaN scores, but their exp2 is NaN, so the sum carries them here.
   __device__ __forceinline__ void finish(float (&inv)[kRows], float (&lse)[kRows], float scale) {
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
       const float sum = quad_sum(row_sum[i]);
-      const bool empty = !(sum > 0.0f);
+      const bool empty = sum == 0.0f;  // a NaN sum (NaN or +inf scores) is not empty: it shows as NaN
       inv[i] = empty ? 0.0f : 1.0f / sum;
       lse[i] = empty ? -INFINITY : row_max[i] * scale + logf(sum);
     }
