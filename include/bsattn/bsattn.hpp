@@ -2,6 +2,7 @@
 #pragma once
 #include "bsattn/plan.hpp"
 #include "bsattn/problem.hpp"
+#include "bsattn/select.hpp"
 #include "bsattn/summary.hpp"
 #include "bsattn/tensor.hpp"
 #include "bsattn/varlen.hpp"

@@ -810,4 +810,11 @@ void validate_values(const Problem& pb, const TileShape& tiles, const Inputs& in
   });
 }
 
+std::vector<std::int64_t> checked_m_block_offsets(const Problem& pb, const TileShape& tiles, const Inputs& inputs) {
+  Problem structure = pb;
+  structure.validate = false;
+  validate_lengths(structure, tiles, inputs);
+  return check_lengths(pb, tiles, inputs, MetadataReader(pb)).cu_m_blocks;
+}
+
 }  // namespace bsattn::formats

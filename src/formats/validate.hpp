@@ -1,6 +1,9 @@
 // Validation of problems and bound tensors (SPEC §8). Every check throws bsattn::Error naming the
 // argument, and the row and value where there is one; none writes anything.
 #pragma once
+#include <cstdint>
+#include <vector>
+
 #include "bsattn/plan.hpp"
 
 namespace bsattn::formats {
@@ -26,5 +29,9 @@ void validate_lengths(const Problem& problem, const TileShape& tiles, const Inpu
 // problem.validate) and the two summary outputs (shape, dtype, alignment, no overlap).
 void validate_summary_build(const Problem& problem, const TileShape& tiles, const Inputs& inputs,
                             const TensorView& k_summary, const TensorView& v_summary);
+
+// validate_lengths() with values (whatever problem.validate says), returning the exclusive prefix
+// sum of nQB(b) the lengths imply ([B+1]).
+std::vector<std::int64_t> checked_m_block_offsets(const Problem& problem, const TileShape& tiles, const Inputs& inputs);
 
 }  // namespace bsattn::formats
