@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include "gpu/attention.hpp"
+#include "gpu/device_guard.hpp"
 #include "gpu/prepare_routes.hpp"
 #endif
 
@@ -45,29 +46,8 @@ TileShape choose_tiles(const Problem& pb) {
 }
 
 #if BSATTN_WITH_CUDA
-namespace {
-
-void cuda_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error("cuda", std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-// Makes `device` current for a scope and restores the caller's device after it.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int now = previous_;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-};
-
-}  // namespace
+using gpu::cuda_check;
+using gpu::DeviceGuard;
 
 // The GPU plan's workspace: one cudaMalloc at plan time, carved into the overflow flag, route
 // counts, derived varlen offsets and route records. run() allocates nothing.

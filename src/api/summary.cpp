@@ -8,12 +8,39 @@
 #include "bsattn/cpu/engine.hpp"
 #include "formats/bind.hpp"
 #include "formats/validate.hpp"
+#include "formats/validate_summary.hpp"
+#if BSATTN_WITH_CUDA
+#include "gpu/device_guard.hpp"
+#include "gpu/summaries.hpp"
+#endif
 
 namespace bsattn {
 
+namespace {
+
+#if BSATTN_WITH_CUDA
+void build_on_gpu(const Problem& problem, const AttentionParams& a, int kv_blocks, const TensorView& k_summary,
+                  const TensorView& v_summary, Stream stream) {
+  formats::validate_summary_launch(problem);
+  gpu::SummaryOutputs o;
+  o.k = k_summary.data;
+  o.v = v_summary.data;
+  o.k_batch_stride = k_summary.stride[0];
+  o.k_block_stride = k_summary.stride[1];
+  o.k_head_stride = k_summary.stride[2];
+  o.v_batch_stride = v_summary.stride[0];
+  o.v_block_stride = v_summary.stride[1];
+  o.v_head_stride = v_summary.stride[2];
+  o.kv_blocks = kv_blocks;
+  gpu::DeviceGuard guard(problem.device_index);
+  gpu::cuda_check(gpu::build_summaries(a, o, static_cast<cudaStream_t>(stream)), "summary kernel launch");
+}
+#endif
+
+}  // namespace
+
 void build_summaries(const Problem& problem, const Inputs& inputs, const TensorView& k_summary,
-                     const TensorView& v_summary) {
-  if (problem.device != Device::cpu) throw Error("problem.device", "build_summaries runs on the CPU in this build");
+                     const TensorView& v_summary, Stream stream) {
   const TileShape tiles = choose_tiles(problem);
   formats::validate_problem(problem, tiles);
   formats::validate_summary_build(problem, tiles, inputs, k_summary, v_summary);
@@ -23,6 +50,15 @@ void build_summaries(const Problem& problem, const Inputs& inputs, const TensorV
   Problem kv_only = problem;
   kv_only.proxy = Proxy::off;
   AttentionParams a = formats::bind(kv_only, tiles, 0, inputs, Outputs{});
+  if (problem.device == Device::cuda) {
+#if BSATTN_WITH_CUDA
+    build_on_gpu(problem, a, kv_blocks, k_summary, v_summary, stream);
+    return;
+#else
+    throw Error("problem.device", "cuda: this build has no GPU code (BSATTN_ENABLE_CUDA=OFF); use Device::cpu");
+#endif
+  }
+  (void)stream;
   const ElementType type = a.in_type;
   const int d = problem.head_dim, bk = problem.block.kv;
 
