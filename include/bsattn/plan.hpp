@@ -8,6 +8,9 @@
 namespace bsattn {
 
 struct AttentionParams;
+struct BackwardParams;
+struct BackwardInputs;  // backward.hpp
+struct Gradients;       // backward.hpp
 namespace cpu {
 struct Workspace;
 }
@@ -55,6 +58,17 @@ class Plan {
   // workspace) in place of the built-in CPU engine.
   using CpuEngine = void (*)(const void* context, AttentionParams& params, const cpu::Workspace& workspace);
   void run_cpu_engine(const Inputs& inputs, const Outputs& outputs, CpuEngine engine, const void* context);
+
+  // Gradients of the attention this plan computes (backward.hpp): validates like run() plus the
+  // backward's tensors, then writes dQ, dK, dV. CPU plans only; throws bsattn::Error before
+  // writing anything for paged KV, proxy routes, a GPU plan or malformed tensors.
+  void run_backward(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
+                    Stream stream = nullptr);
+  // For custom_mask.hpp: as run_backward(), with engine(context, params, workspace) in place of
+  // the built-in CPU backward.
+  using CpuBackwardEngine = void (*)(const void* context, BackwardParams& params, const cpu::Workspace& workspace);
+  void run_cpu_backward_engine(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
+                               CpuBackwardEngine engine, const void* context);
 
   struct Impl;
 

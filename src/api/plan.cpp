@@ -6,7 +6,10 @@
 #include <thread>
 #include <vector>
 
+#include "bsattn/backward.hpp"
+#include "bsattn/cpu/backward.hpp"
 #include "bsattn/cpu/engine.hpp"
+#include "formats/backward.hpp"
 #include "formats/bind.hpp"
 #include "formats/validate.hpp"
 #if BSATTN_WITH_CUDA
@@ -116,6 +119,9 @@ struct Plan::Impl {
   std::unique_ptr<DeviceWorkspace> device;  // Device::cuda only
 
   void run(const Inputs& inputs, const Outputs& outputs, Plan::CpuEngine engine, const void* context);
+  void run_backward(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
+                    Plan::CpuBackwardEngine engine, const void* context);
+  cpu::Workspace cpu_workspace();
   void run_gpu(const Inputs& inputs, const Outputs& outputs, Stream stream);
   void check_gpu(Stream stream);
 };
@@ -202,7 +208,10 @@ void Plan::plan(const Problem& problem) {
   const int threads = problem.num_threads > 0 ? problem.num_threads
                                               : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   next->pool = std::make_unique<cpu::ThreadPool>(threads);
-  next->scratch_per_thread = cpu::scratch_floats(next->tiles.tile_m, next->tiles.tile_n, problem.head_dim);
+  // Sized for the forward and the backward alike (the backward's is about twice as large).
+  next->scratch_per_thread =
+      std::max(cpu::scratch_floats(next->tiles.tile_m, next->tiles.tile_n, problem.head_dim),
+               cpu::backward_scratch_floats(next->tiles.tile_m, next->tiles.tile_n, problem.head_dim));
   next->scratch.resize(next->scratch_per_thread * next->pool->size());
   impl_ = std::move(next);
 }
@@ -224,13 +233,31 @@ void Plan::Impl::run(const Inputs& inputs, const Outputs& outputs, Plan::CpuEngi
   AttentionParams a = formats::bind(problem, tiles, capacity, inputs, outputs);
   attach_varlen_block_offsets(a.route, cu_total_m_blocks.data(), cu_block_idx_offsets.data(),
                               route::varlen_block_offsets);
+  engine(context, a, cpu_workspace());
+}
+
+cpu::Workspace Plan::Impl::cpu_workspace() {
   cpu::Workspace ws;
   ws.routes = routes.data();
   ws.counts = counts.data();
   ws.pool = pool.get();
   ws.scratch = scratch.data();
   ws.scratch_per_thread = scratch_per_thread;
-  engine(context, a, ws);
+  return ws;
+}
+
+// Backward on the CPU engine: the forward's checks and binding plus the backward's tensors, all
+// before the engine writes anything.
+void Plan::Impl::run_backward(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
+                              Plan::CpuBackwardEngine engine, const void* context) {
+  if (problem.device != Device::cpu)
+    throw Error("problem.device", "cuda: GPU backward not implemented yet; plan for Device::cpu");
+  formats::validate_backward(problem, inputs, backward, gradients);
+  if (problem.validate) formats::validate_values(problem, tiles, inputs);
+  BackwardParams g = formats::bind_backward(problem, tiles, capacity, inputs, backward, gradients);
+  attach_varlen_block_offsets(g.fwd.route, cu_total_m_blocks.data(), cu_block_idx_offsets.data(),
+                              route::varlen_block_offsets);
+  engine(context, g, cpu_workspace());
 }
 
 #if BSATTN_WITH_CUDA
@@ -314,6 +341,28 @@ void Plan::run_cpu_engine(const Inputs& inputs, const Outputs& outputs, CpuEngin
   if (impl.problem.device != Device::cpu)
     throw Error("problem.device", "a custom mask functor runs on the CPU engine only; plan for Device::cpu");
   impl.run(inputs, outputs, engine, context);
+}
+
+void Plan::run_backward(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
+                        Stream stream) {
+  (void)stream;  // CPU only for now
+  require(impl_).run_backward(
+      inputs, backward, gradients,
+      [](const void*, BackwardParams& g, const cpu::Workspace& ws) { cpu::run_backward(g, ws, cpu::NoTokenMask{}); },
+      nullptr);
+}
+
+void Plan::run_cpu_backward_engine(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
+                                   CpuBackwardEngine engine, const void* context) {
+  require(impl_).run_backward(inputs, backward, gradients, engine, context);
+}
+
+void attention_backward(const Problem& problem, const Inputs& inputs, const BackwardInputs& backward,
+                        const Gradients& gradients, Stream stream) {
+  Problem p = problem;
+  p.validate = true;
+  Plan plan(p);
+  plan.run_backward(inputs, backward, gradients, stream);
 }
 
 void attention(const Problem& problem, const Inputs& inputs, const Outputs& outputs, Stream stream) {

@@ -408,6 +408,86 @@ OracleResult Oracle::compute() const {
   return r;
 }
 
+std::int64_t Oracle::kv_row(int b, int kv) const {
+  return problem_.q_layout == QLayout::varlen ? kv_row_base_[b] + kv
+                                              : static_cast<std::int64_t>(b) * problem_.max_seqlen_kv + kv;
+}
+
+std::int64_t Oracle::total_kv_rows() const {
+  return problem_.q_layout == QLayout::varlen ? inputs_.k.shape[0]
+                                              : static_cast<std::int64_t>(problem_.batch) * problem_.max_seqlen_kv;
+}
+
+OracleGradients Oracle::backward(const TensorView& dout) const {
+  if (problem_.proxy != bsattn::Proxy::off || problem_.kv_layout == KVLayout::paged)
+    throw std::logic_error("oracle: backward of proxy routes or paged KV");
+  const int H = problem_.heads_q, Hkv = problem_.heads_kv, D = problem_.head_dim;
+  const int group = H / Hkv;
+  const double scale = problem_.scale != 0.0f ? static_cast<double>(problem_.scale) : 1.0 / std::sqrt(double(D));
+  const bool varlen = problem_.q_layout == QLayout::varlen;
+  OracleGradients g;
+  g.dq.assign(static_cast<std::size_t>(total_q_rows() * H * D), 0.0);
+  g.dk.assign(static_cast<std::size_t>(total_kv_rows() * Hkv * D), 0.0);
+  g.dv.assign(g.dk.size(), 0.0);
+
+  std::vector<double> k, v, q(D), dO(D), o(D), p, dp;
+  std::vector<int> keys;
+  for (int b = 0; b < problem_.batch; ++b) {
+    const int skv = seqlen_kv_[b];
+    for (int hkv = 0; hkv < Hkv; ++hkv) {
+      k.assign(static_cast<std::size_t>(skv) * D, 0.0);
+      v.assign(k.size(), 0.0);
+      for (int kv = 0; kv < skv; ++kv)
+        for (int d = 0; d < D; ++d) {
+          k[kv * D + d] = k_element(b, kv, hkv, d);
+          v[kv * D + d] = v_element(b, kv, hkv, d);
+        }
+      for (int h = hkv * group; h < (hkv + 1) * group; ++h)
+        for (int qi = 0; qi < seqlen_q_[b]; ++qi) {
+          const std::int64_t row = q_row_base_[b] + qi;
+          for (int d = 0; d < D; ++d) {
+            q[d] = varlen ? read_real(inputs_.q, {row, h, d}) : read_real(inputs_.q, {b, qi, h, d});
+            dO[d] = varlen ? read_real(dout, {row, h, d}) : read_real(dout, {b, qi, h, d});
+          }
+          keys.clear();
+          p.clear();
+          for (int kv = 0; kv < skv; ++kv) {
+            if (!attended(b, h, qi, kv)) continue;
+            double dot = 0;
+            for (int d = 0; d < D; ++d) dot += q[d] * k[kv * D + d];
+            keys.push_back(kv);
+            p.push_back(scale * dot);
+          }
+          if (keys.empty()) continue;  // nothing attended: no gradient flows through this row
+          const double m = *std::max_element(p.begin(), p.end());
+          double sum = 0;
+          for (double& x : p) sum += x = std::exp(x - m);
+          std::fill(o.begin(), o.end(), 0.0);
+          for (std::size_t i = 0; i < keys.size(); ++i) {
+            p[i] /= sum;
+            for (int d = 0; d < D; ++d) o[d] += p[i] * v[keys[i] * D + d];
+          }
+          double delta = 0;  // rowsum(dO * O)
+          for (int d = 0; d < D; ++d) delta += dO[d] * o[d];
+          double* dq = &g.dq[static_cast<std::size_t>((row * H + h) * D)];
+          for (std::size_t i = 0; i < keys.size(); ++i) {
+            const int kv = keys[i];
+            double dP = 0;
+            for (int d = 0; d < D; ++d) dP += dO[d] * v[kv * D + d];
+            const double dS = p[i] * (dP - delta);
+            const std::size_t kv_at = static_cast<std::size_t>((kv_row(b, kv) * Hkv + hkv) * D);
+            for (int d = 0; d < D; ++d) {
+              dq[d] += scale * dS * k[kv * D + d];
+              g.dk[kv_at + d] += scale * dS * q[d];
+              g.dv[kv_at + d] += p[i] * dO[d];
+            }
+          }
+        }
+    }
+  }
+  return g;
+}
+
 Tolerance tolerance_for(DType out_dtype) {
   switch (out_dtype) {
     case DType::f16: return {1e-5, 1.5e-3, 5e-5};   // output rounding: half an ulp is 2^-11 relative

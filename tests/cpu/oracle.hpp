@@ -36,6 +36,12 @@ struct OracleResult {
   std::vector<int> attended;  // [row, Hq]: exact tokens plus proxy blocks that entered the softmax
 };
 
+// Gradients of the attention for a given dO (no proxy routes).
+struct OracleGradients {
+  std::vector<double> dq;      // [q row, Hq, D], rows as in OracleResult
+  std::vector<double> dk, dv;  // [kv row, Hkv, D]: kv_row(b, kv) order, zero for rows nothing attends
+};
+
 class Oracle {
  public:
   Oracle(const bsattn::Problem& problem, const bsattn::Inputs& inputs, TokenMaskFn custom_mask = {});
@@ -64,6 +70,15 @@ class Oracle {
   bool attended(int b, int h, int q, int kv) const;
 
   OracleResult compute() const;
+
+  // Row of token kv of sequence b in the packed K/V (varlen) or b * Skv + kv (batched), and the
+  // number of rows (contiguous K/V only).
+  std::int64_t kv_row(int b, int kv) const;
+  std::int64_t total_kv_rows() const;
+  // float64 backward (SPEC §9) of the attention compute() evaluates, for the loss sum(dO * O):
+  // P = softmax(S) over the attended tokens, dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
+  // dQ = scale * dS K, dK = scale * dS^T Q. `dout` is laid out like O. Contiguous or varlen K/V, no proxy.
+  OracleGradients backward(const bsattn::TensorView& dout) const;
 
   // float64 summaries of the given K/V (SPEC §6): mean K and sum V over the in-range tokens of
   // KV block kb, written to dst[D] each.

@@ -1,0 +1,30 @@
+// The backward pass (gradients of attention): dQ, dK, dV from the forward's inputs, its outputs O
+// and LSE, and dO. The same Problem and Inputs as the forward select the same attended pairs
+// (every format, partial and full sets, built-in masks, custom functors via custom_mask.hpp,
+// GQA/MQA, batched and varlen layouts). CPU engine only for now; paged KV and proxy
+// compensation have no backward.
+#pragma once
+#include "bsattn/plan.hpp"
+
+namespace bsattn {
+
+// What the backward reads besides the forward's Inputs.
+struct BackwardInputs {
+  TensorView out;   // O of the forward: Q's layout, problem.out_dtype
+  TensorView lse;   // LSE of the forward (required): f32, batched [B, Hq, Sq], varlen [Hq, total_q]
+  TensorView dout;  // dL/dO: O's shape and dtype
+};
+
+// What it writes, every element (zeros where nothing was attended). dq has Q's shape, dk and dv
+// K's and V's (contiguous batched, or packed varlen). Each is in the input dtype (problem.dtype)
+// or f32; accumulation is f32 either way and the result is rounded once. Any strides with a
+// contiguous last dimension; gradients must not overlap each other or any input.
+struct Gradients {
+  TensorView dq, dk, dv;
+};
+
+// plan + Plan::run_backward with full validation (problem.validate is forced on).
+void attention_backward(const Problem& problem, const Inputs& inputs, const BackwardInputs& backward,
+                        const Gradients& gradients, Stream stream = nullptr);
+
+}  // namespace bsattn
