@@ -95,4 +95,34 @@ int bsattn_bench_check(void* handle, void* stream) {
 
 void bsattn_bench_free(void* handle) { delete static_cast<BenchPlan*>(handle); }
 
+// Proxy summaries of contiguous k/v [B, S, Hkv, D] into k_summary/v_summary [B, ceil(S/bk),
+// Hkv, D] (same dtype), launched on `stream` without validation of values (no host sync).
+// Returns 0, or -1 (bsattn_bench_error says why).
+int bsattn_bench_summaries(int batch, int seqlen, int hkv, int head_dim, int f16, int bk, void* k, void* v,
+                           void* k_summary, void* v_summary, void* stream) {
+  try {
+    bsattn::Problem p;
+    p.batch = batch;
+    p.heads_q = p.heads_kv = hkv;
+    p.head_dim = head_dim;
+    p.max_seqlen_q = 1;
+    p.max_seqlen_kv = seqlen;
+    p.dtype = p.out_dtype = f16 ? bsattn::DType::f16 : bsattn::DType::bf16;
+    p.block = {64, bk};
+    p.format = bsattn::Format::all_blocks;
+    p.device = bsattn::Device::cuda;
+    p.validate = false;
+    const std::int64_t nkb = (seqlen + bk - 1) / bk;
+    bsattn::Inputs in;
+    in.k = view(k, p.dtype, {batch, seqlen, hkv, head_dim});
+    in.v = view(v, p.dtype, {batch, seqlen, hkv, head_dim});
+    bsattn::build_summaries(p, in, view(k_summary, p.dtype, {batch, nkb, hkv, head_dim}),
+                            view(v_summary, p.dtype, {batch, nkb, hkv, head_dim}), stream);
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
 }  // extern "C"

@@ -311,30 +311,36 @@ def _kv_problem(k, block_kv, cu_seqlens_k, seqused_k, block_table, seq_lens_kv, 
         cu_seqlens_k, seqused_k = _tensors.to_int32(cu_seqlens_k), _tensors.to_int32(seqused_k)
         batch = _tensors.shape_of(cu_seqlens_k)[0] - 1
         seqlen_kv = max_seqlen_k or _max_length(cu_seqlens_k, seqused_k, total_kv)
-        problem = dict(q_layout="varlen", kv_layout="contiguous", total_kv=total_kv)
         # A varlen layout addresses Q through cu_seqlens_q too; the KV offsets stand in for it.
+        problem = dict(q_layout="varlen", kv_layout="contiguous", total_kv=total_kv, total_q=total_kv)
         inputs.update(cu_seqlens_q=cu_seqlens_k, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
     else:
         batch, seqlen_kv, _, _ = _expect_rank("k", k, 4, "[B, Skv, Hkv, D]")
         problem = dict(q_layout="batched", kv_layout="contiguous")
     device, device_index = _tensors.device_of(k)
-    problem.update(batch=batch, heads_q=heads_kv, heads_kv=heads_kv, head_dim=head_dim, max_seqlen_q=1,
+    problem.update(batch=batch, heads_q=heads_kv, heads_kv=heads_kv, head_dim=head_dim, max_seqlen_q=seqlen_kv,
                    max_seqlen_kv=seqlen_kv, dtype=_tensors.dtype_name(k), block_q=64, block_kv=block_kv,
                    format="all_blocks", device=device, device_index=device_index)
     return problem, {name: _tensors.export(t) for name, t in inputs.items() if t is not None}
 
 
 def build_summaries(k, v, block_kv, *, cu_seqlens_k=None, seqused_k=None, block_table=None, seq_lens_kv=None,
-                    max_seqlen_k=None):
+                    max_seqlen_k=None, validate=True, stream=None):
     """Proxy summaries (SPEC §6) of K/V in any KV layout of `attention`: per KV block of
     ``block_kv`` tokens, the mean of K and the sum of V over its in-range tokens, each
-    ``[B, ceil(max_seqlen_k / block_kv), Hkv, D]`` in K's dtype. Returns `Summaries`."""
+    ``[B, ceil(max_seqlen_k / block_kv), Hkv, D]`` in K's dtype. Returns `Summaries`.
+
+    CUDA tensors are summarised by a GPU kernel on ``stream`` (default: the current stream of
+    K's framework). ``validate=True`` reads the metadata values on the host first (a device
+    sync, as in `attention`); ``validate=False`` only enqueues the kernel (graph-capturable)."""
     problem, inputs = _kv_problem(k, block_kv, cu_seqlens_k, seqused_k, block_table, seq_lens_kv, max_seqlen_k)
+    problem["validate"] = bool(validate)
     inputs.update(k=_tensors.export(k), v=_tensors.export(v))
     shape = (problem["batch"], -(-problem["max_seqlen_kv"] // block_kv), problem["heads_kv"], problem["head_dim"])
     k_summary, v_summary = _tensors.empty(k, shape, problem["dtype"]), _tensors.empty(k, shape, problem["dtype"])
+    stream = _tensors.current_stream(k) if stream is None else stream
     with _tensors.device_guard(k):
-        _bsattn.build_summaries(problem, inputs, _tensors.export(k_summary), _tensors.export(v_summary))
+        _bsattn.build_summaries(problem, inputs, _tensors.export(k_summary), _tensors.export(v_summary), stream)
     return Summaries(_tensors.finish(k, k_summary), _tensors.finish(k, v_summary))
 
 

@@ -337,16 +337,17 @@ NB_MODULE(_bsattn, m) {
 
   m.def(
       "build_summaries",
-      [](const nb::dict& problem, const nb::dict& inputs, nb::handle k_summary, nb::handle v_summary) {
+      [](const nb::dict& problem, const nb::dict& inputs, nb::handle k_summary, nb::handle v_summary,
+         std::uintptr_t stream) {
         const bsattn::Problem p = problem_from_dict(problem);
         Bound bound;
         bind_call(bound, inputs, nb::dict());
         const bsattn::TensorView ks = bound.output(k_summary, "k_summary");
         const bsattn::TensorView vs = bound.output(v_summary, "v_summary");
         nb::gil_scoped_release unlocked;
-        bsattn::build_summaries(p, bound.inputs, ks, vs);
+        bsattn::build_summaries(p, bound.inputs, ks, vs, to_stream(stream));
       },
-      "problem"_a, "inputs"_a, "k_summary"_a, "v_summary"_a);
+      "problem"_a, "inputs"_a, "k_summary"_a, "v_summary"_a, "stream"_a = 0);
 
   m.def(
       "varlen_block_offsets",

@@ -3,7 +3,7 @@
 # subset, the SASS checks (HGMMA in the kernels, no local memory) and the benchmark.
 #   BUILD=build-gpu tests/gpu/device_check.sh            (build first: cmake -B build-gpu && cmake --build build-gpu)
 # Env: BUILD (build dir), OUT (log dir), PEERS (all|core|none), STEPS (subset of "tests sanitize sass
-# bench compare"), COMPARE (other libbsattn_bench.so builds timed against this one, interleaved).
+# bench compare variants summaries"), COMPARE (other libbsattn_bench.so builds timed against this one, interleaved).
 set -u
 BUILD=${BUILD:-build-gpu}
 OUT=${OUT:-/tmp/bsattn-device-check}
@@ -61,5 +61,21 @@ if [[ " $STEPS " == *" variants "* ]]; then
     env $v=1 PYTHONUNBUFFERED=1 timeout 150 python3 bench/gpu/bench_forward.py --lib "$LIB" --peers none \
       --only ${VARIANT_ONLY:-S32768} 2>&1 | grep -E "^S[0-9]" | sed "s/^/$v=1 /"
   done
+fi
+if [[ " $STEPS " == *" summaries "* ]]; then
+  # Proxy summaries (issue 11): tests, memcheck + racecheck on a subset, bandwidth vs 4.21 TB/s.
+  echo "== summaries"
+  S=$BUILD/tests/bsattn_gpu_summary_test
+  timeout 120 "$S" > "$OUT/summary_tests.log" 2>&1
+  [[ $? == 0 ]] || status=1
+  echo "summary tests: $(grep -E '^\[  (PASSED|FAILED)  \]' "$OUT/summary_tests.log" | head -3 | tr '\n' ' ')"
+  for tool in memcheck racecheck; do
+    timeout 120 compute-sanitizer --tool $tool --error-exitcode 3 "$S" \
+      --gtest_filter='Random/GpuSummaryTest.*/1?:GpuSummary.*' > "$OUT/summary_$tool.log" 2>&1
+    echo "$tool rc=$?: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/summary_$tool.log" | tail -1)"
+  done
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/gpu/bench_summaries.py --lib "$LIB" --out "$OUT/summaries.md" 2>&1 |
+    tee "$OUT/summaries.log"
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 exit $status
