@@ -105,6 +105,7 @@ def test_cuda_contiguous_on_a_stream(rng, head_dim):
     torch = _require_gpu()
     k, v = (torch.randn(2, 1000, 4, head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # k, v were written on the default stream
     with torch.cuda.stream(stream):  # the current stream is picked up
         out = bsattn.build_summaries(k, v, 64, validate=False)
     stream.synchronize()
