@@ -3,7 +3,6 @@
 #include <cmath>
 
 namespace bsattn::formats {
-namespace {
 
 ElementType element_type(DType t) {
   switch (t) {
@@ -12,6 +11,8 @@ ElementType element_type(DType t) {
     default: return ElementType::f32;
   }
 }
+
+namespace {
 
 template <class T>
 const T* typed(const TensorView& t) {

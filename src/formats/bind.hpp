@@ -5,6 +5,9 @@
 
 namespace bsattn::formats {
 
+// The engines' element type of a float dtype (f32, f16, bf16).
+ElementType element_type(DType dtype);
+
 // Geometry only (no tensor addresses): what plan() knows.
 route::RouteParams route_geometry(const Problem& problem, const TileShape& tiles, int capacity);
 
