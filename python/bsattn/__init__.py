@@ -9,7 +9,7 @@ its ``argument`` attribute names the offending argument.
 """
 
 from . import adapters, sparsity
-from ._api import Plan, Summaries, attention, build_summaries, varlen_block_offsets
+from ._api import Plan, Summaries, attention, attention_backward, build_summaries, varlen_block_offsets
 from ._bsattn import BsattnError, built_with_cuda
 from .adapters import from_block_mask, from_dense_block_mask, from_flash_attention, from_flashinfer_bsr
 from .mask import Mask
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllBlocks", "BSR", "Bitmask", "BlockLists", "BsattnError", "Mask", "Plan", "Sparsity", "Summaries",
-    "VarlenBlockLists", "adapters", "attention", "build_summaries", "built_with_cuda", "from_block_mask",
+    "VarlenBlockLists", "adapters", "attention",
+    "attention_backward", "build_summaries", "built_with_cuda", "from_block_mask",
     "from_dense_block_mask", "from_flash_attention", "from_flashinfer_bsr", "sparsity", "varlen_block_offsets",
 ]

@@ -6,6 +6,9 @@ CUDA graphs, on the current torch stream.
   running it. ``lse`` is an empty tensor unless ``return_lse``.
 * ``torch.ops.bsattn.attention_out(q, k, v, slots, *options, out, lse)`` writes into given
   outputs (``attention(..., out=)``).
+* ``torch.ops.bsattn.attention_backward(q, k, v, slots, *options, out, lse, dout) -> (dq, dk, dv)``
+  is the backward (CPU engine), registered as the autograd formula of ``attention``: when q, k
+  or v requires grad, `bsattn.attention` asks the op for the LSE the backward needs.
 
 ``slots`` are the optional tensors of `bsattn._api.SLOT_NAMES` and ``options`` the primitives of
 `bsattn._api.OPTIONS`, in that order; `bsattn.attention` builds them from its arguments.
@@ -33,6 +36,8 @@ _TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloa
 
 torch.library.define("bsattn::attention", f"({_INPUT_SCHEMA}) -> (Tensor, Tensor)")
 torch.library.define("bsattn::attention_out", f"({_INPUT_SCHEMA}, Tensor(a!) out, Tensor(b!)? lse) -> ()")
+torch.library.define("bsattn::attention_backward",
+                     f"({_INPUT_SCHEMA}, Tensor out, Tensor lse, Tensor dout) -> (Tensor, Tensor, Tensor)")
 
 _MAX_PLANS = 32
 _plans = collections.OrderedDict()  # problem -> (plan, lock), least recently used first
@@ -88,12 +93,40 @@ def _attention_fake(q, k, v, slots, *options):
     return _new_outputs(q, slots, options)
 
 
+@torch.library.impl("bsattn::attention_backward", ("cpu", "cuda"))
+def _attention_backward(q, k, v, slots, *arguments):
+    *options, out, lse, dout = arguments
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _api.backward_run(q, k, v, dict(zip(_api.SLOT_NAMES, slots)), dict(zip(_api.OPTION_NAMES, options)), out, lse,
+                      dout, dq, dk, dv, _tensors.current_stream(q))
+    return dq, dk, dv
+
+
+@torch.library.register_fake("bsattn::attention_backward")
+def _attention_backward_fake(q, k, v, slots, *arguments):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, slots, *options = inputs
+    ctx.options = options
+    ctx.slot_count = len(slots)
+    ctx.save_for_backward(q, k, v, *output, *slots)
+
+
 def _backward(ctx, grad_out, grad_lse):
-    raise NotImplementedError("bsattn: the backward pass (SPEC §9) is not available yet")
+    q, k, v, out, lse, *slots = ctx.saved_tensors
+    if not ctx.options[_RETURN_LSE]:
+        raise RuntimeError("bsattn: no LSE was kept for the backward; call bsattn.attention with q, k or v requiring "
+                           "grad (or return_lse=True)")
+    if grad_lse is not None and bool(grad_lse.ne(0).any()):
+        raise NotImplementedError("bsattn: gradients through the returned LSE are not supported; use it detached")
+    # dO with a contiguous last dimension (the gradient of a sum arrives as an expanded view).
+    dq, dk, dv = torch.ops.bsattn.attention_backward(q, k, v, slots, *ctx.options, out, lse, grad_out.contiguous())
+    return (dq, dk, dv, None, *(None for _ in ctx.options))
 
 
-# Without it, autograd would warn and silently give no gradient to q, k, v.
-torch.library.register_autograd("bsattn::attention", _backward)
+torch.library.register_autograd("bsattn::attention", _backward, setup_context=_setup_context)
 
 
 @torch.library.impl("bsattn::attention_out", ("cpu", "cuda"))
@@ -115,6 +148,8 @@ def attention(q, k, v, slots, options, out, lse):
     arguments = (q, k, v, [slots[name] for name in _api.SLOT_NAMES], *(options[name] for name in _api.OPTION_NAMES))
     return_lse = options["return_lse"]
     if out is None and lse is None:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):  # keep the LSE for the backward
+            arguments = (*arguments[:4 + _RETURN_LSE], True, *arguments[5 + _RETURN_LSE:])
         out, lse = torch.ops.bsattn.attention(*arguments)
     else:
         out_shape, lse_shape = _api.output_shapes(q, slots["cu_seqlens_q"] is not None, return_lse)

@@ -335,6 +335,27 @@ NB_MODULE(_bsattn, m) {
       },
       "problem"_a, "inputs"_a, "outputs"_a, "stream"_a = 0);
 
+  // backward: "out" / "lse" / "dout" -> tensors; gradients: "dq" / "dk" / "dv" -> tensors.
+  m.def(
+      "attention_backward",
+      [](const nb::dict& problem, const nb::dict& inputs, const nb::dict& backward, const nb::dict& gradients,
+         std::uintptr_t stream) {
+        const bsattn::Problem p = problem_from_dict(problem);
+        Bound bound;
+        bind_call(bound, inputs, nb::dict());
+        bsattn::BackwardInputs b;
+        b.out = bound.input(backward["out"], "backward.out");
+        b.lse = bound.input(backward["lse"], "backward.lse");
+        b.dout = bound.input(backward["dout"], "backward.dout");
+        bsattn::Gradients g;
+        g.dq = bound.output(gradients["dq"], "gradients.dq");
+        g.dk = bound.output(gradients["dk"], "gradients.dk");
+        g.dv = bound.output(gradients["dv"], "gradients.dv");
+        nb::gil_scoped_release unlocked;
+        bsattn::attention_backward(p, bound.inputs, b, g, to_stream(stream));
+      },
+      "problem"_a, "inputs"_a, "backward"_a, "gradients"_a, "stream"_a = 0);
+
   m.def(
       "build_summaries",
       [](const nb::dict& problem, const nb::dict& inputs, nb::handle k_summary, nb::handle v_summary,
