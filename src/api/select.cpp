@@ -15,6 +15,7 @@
 #include "formats/bind.hpp"
 #include "formats/validate_select.hpp"
 #if BSATTN_WITH_CUDA
+#include "gpu/device_guard.hpp"
 #include "gpu/select_blocks.hpp"
 #endif
 
@@ -197,7 +198,12 @@ void select_blocks(const Problem& problem, const Inputs& inputs, const SelectOpt
   if (sp.rows == 0 || sp.words == 0) return;
   if (problem.device == Device::cuda) {
 #if BSATTN_WITH_CUDA
-    gpu::select_blocks(sp, problem.device_index, static_cast<cudaStream_t>(stream));
+    if (sp.max_kv_blocks > gpu::kSelectMaxKvBlocks)
+      throw Error("problem.max_seqlen_kv", "gives " + std::to_string(sp.max_kv_blocks) +
+                                               " KV blocks per sequence; the GPU selection kernel sorts at most " +
+                                               std::to_string(gpu::kSelectMaxKvBlocks) + " (use a larger block.kv)");
+    gpu::DeviceGuard guard(problem.device_index);
+    gpu::cuda_check(gpu::select_blocks(sp, static_cast<cudaStream_t>(stream)), "select_blocks kernel launch");
     return;
 #else
     throw Error("problem.device", "cuda: this build has no GPU code (BSATTN_ENABLE_CUDA=OFF); use Device::cpu");

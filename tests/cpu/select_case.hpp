@@ -91,9 +91,10 @@ inline void fill_random(std::vector<std::uint8_t>& bytes, std::int64_t count, bs
   }
 }
 
-// A random case; `policy` < 0 draws the policy too. Summaries come from the library's CPU
+// A random case; `policy` < 0 draws the policy too; `long_length` > 0 makes sequences up to that
+// long (hundreds to thousands of KV blocks). Summaries come from the library's CPU
 // build_summaries(), then some rows are copied over others so that scores tie exactly.
-inline void make_select_case(SelectCase& c, std::uint64_t seed, int policy = -1) {
+inline void make_select_case(SelectCase& c, std::uint64_t seed, int policy = -1, int long_length = 0) {
   using namespace bsattn;
   std::mt19937_64 rng(seed);
   const auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
@@ -112,7 +113,8 @@ inline void make_select_case(SelectCase& c, std::uint64_t seed, int policy = -1)
   p.num_threads = 2;
   const bool varlen = pick(0, 1) == 1;
   p.q_layout = varlen ? QLayout::varlen : QLayout::batched;
-  const int max_len = pick(1, 4) == 1 ? 40 : 700;
+  const int max_len = long_length > 0 ? long_length : (pick(1, 4) == 1 ? 40 : 700);
+  if (long_length > 0) p.block.kv = 16;
   c.seqlen_q.assign(p.batch, 0);
   c.seqlen_kv.assign(p.batch, 0);
   if (varlen) {
