@@ -271,6 +271,37 @@ void bind_call(Bound& bound, const nb::dict& inputs, const nb::dict& outputs) {
 
 bsattn::Stream to_stream(std::uintptr_t stream) { return reinterpret_cast<bsattn::Stream>(stream); }
 
+// select_blocks() options from a dict built by python/bsattn/_select.py.
+bsattn::SelectOptions select_options_from_dict(const nb::dict& values) {
+  using namespace bsattn;
+  SelectOptions o;
+  for (auto [key, value] : values) {
+    const std::string name = nb::cast<std::string>(key);
+    const std::string argument = "options." + name;
+    try {
+      if (name == "policy")
+        o.policy = parse_enum<SelectPolicy>(
+            value, "policy", {{"top_k", SelectPolicy::top_k}, {"tau", SelectPolicy::tau}, {"mass", SelectPolicy::mass}});
+      else if (name == "top_k") o.top_k = nb::cast<int>(value);
+      else if (name == "tau") o.tau = nb::cast<float>(value);
+      else if (name == "mass") o.mass = nb::cast<float>(value);
+      else if (name == "sinks") o.sinks = nb::cast<int>(value);
+      else if (name == "local") o.local = nb::cast<int>(value);
+      else if (name == "diagonal") o.diagonal = nb::cast<bool>(value);
+      else if (name == "causal") o.causal = nb::cast<bool>(value);
+      else if (name == "alignment")
+        o.alignment = parse_enum<Alignment>(value, "alignment",
+                                            {{"bottom_right", Alignment::bottom_right}, {"top_left", Alignment::top_left}});
+      else if (name == "heads")
+        o.heads = parse_enum<SelectHeads>(value, "heads", {{"q", SelectHeads::query}, {"kv", SelectHeads::kv}});
+      else throw Error("options", "unknown field '" + name + "'");
+    } catch (const nb::cast_error&) {
+      throw Error(argument, "wrong value type");
+    }
+  }
+  return o;
+}
+
 nb::dict tiles_dict(const bsattn::TileShape& t) {
   nb::dict d;
   d["tile_m"] = t.tile_m;
@@ -383,4 +414,18 @@ NB_MODULE(_bsattn, m) {
         bsattn::varlen_block_offsets(p, bound.inputs, m_blocks, offsets, to_stream(stream));
       },
       "problem"_a, "inputs"_a, "cu_total_m_blocks"_a, "cu_block_idx_offsets"_a, "stream"_a = 0);
+
+  m.def(
+      "select_blocks",
+      [](const nb::dict& problem, const nb::dict& inputs, const nb::dict& options, nb::handle bits,
+         std::uintptr_t stream) {
+        const bsattn::Problem p = problem_from_dict(problem);
+        const bsattn::SelectOptions o = select_options_from_dict(options);
+        Bound bound;
+        bind_call(bound, inputs, nb::dict());
+        const bsattn::TensorView words = bound.output(bits, "bits");
+        nb::gil_scoped_release unlocked;
+        bsattn::select_blocks(p, bound.inputs, o, words, to_stream(stream));
+      },
+      "problem"_a, "inputs"_a, "options"_a, "bits"_a, "stream"_a = 0);
 }
