@@ -1,5 +1,5 @@
 // Block selection kernel (SPEC §7). A CTA takes up to kMaxRows consecutive Q blocks of one
-// (sequence, sparsity head): it pools their Q tokens (threads along D: coalesced rows), scores
+// (sequence, sparsity head): it pools their Q tokens (16-byte vectors along D: coalesced rows), scores
 // every visible KV block against all of its rows at once (a thread per KV block, the summary row
 // read once in 16-byte vectors for all rows; the same fma order as the CPU), then applies the
 // policy to one row at a time with all threads (a bitonic sort of the row's keys in shared memory
@@ -19,13 +19,6 @@ constexpr int kThreads = 128;
 constexpr int kMaxRows = 8;
 constexpr int kVector = 8;  // elements per summary load; head_dim is a multiple of 8
 
-template <ElementType T>
-__device__ __forceinline__ float load_element(const void* base, std::int64_t offset) {
-  if constexpr (T == ElementType::f32) return static_cast<const float*>(base)[offset];
-  else if constexpr (T == ElementType::f16) return __half2float(static_cast<const __half*>(base)[offset]);
-  else return __uint_as_float(static_cast<std::uint32_t>(static_cast<const std::uint16_t*>(base)[offset]) << 16);
-}
-
 // kVector consecutive elements (16-byte aligned: summary rows are validated as 16-byte vectors).
 template <ElementType T>
 __device__ __forceinline__ void load_vector(const void* base, std::int64_t offset, float (&out)[kVector]) {
@@ -36,6 +29,7 @@ __device__ __forceinline__ void load_vector(const void* base, std::int64_t offse
   } else {
     const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const std::uint16_t*>(base) + offset);
     const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
     for (int i = 0; i < 4; ++i) {
       const std::uint16_t lo = static_cast<std::uint16_t>(words[i] & 0xffffu), hi = static_cast<std::uint16_t>(words[i] >> 16);
       if constexpr (T == ElementType::f16) {
@@ -156,7 +150,7 @@ __device__ void apply_policy(const route::SelectRule& rule, const route::SelectR
 }
 
 template <ElementType T>
-__global__ void __launch_bounds__(kThreads) select_kernel(const route::SelectParams sp, const SharedLayout layout,
+__global__ void __launch_bounds__(kThreads, 1) select_kernel(const route::SelectParams sp, const SharedLayout layout,
                                                           int groups_per_sequence) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
   const AttentionParams& a = sp.tensors;
@@ -187,14 +181,25 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const route::SelectPar
   if (rows <= 0) return;
   const int row0 = p.varlen_q ? varlen_row_base(p, b) + qb0 : b * p.max_q_blocks + qb0;
 
-  // Pool: thread per (row, element), the query heads of the row then its tokens in order.
-  for (int i = threadIdx.x; i < rows * d; i += kThreads) {
-    const int r = i / d, e = i % d;
+  // Pool: a thread per (row, 8 consecutive elements) reads them as one 16-byte vector (Q rows are
+  // validated as 16-byte vectors); each element sums the row's query heads, then its tokens, in order.
+  const int vectors = d / kVector;
+  for (int i = threadIdx.x; i < rows * vectors; i += kThreads) {
+    const int r = i / vectors, e0 = (i % vectors) * kVector;
     const int q0 = (qb0 + r) * p.block_q, q1 = min(q0 + p.block_q, s.seqlen_q);
-    float sum = 0.0f;
+    float sum[kVector];
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) sum[e] = 0.0f;
     for (int h = hs * sp.group; h < (hs + 1) * sp.group; ++h)
-      for (int q = q0; q < q1; ++q) sum = route::add_rn(sum, load_element<T>(a.q, a.q_offset(b, s, q, h) + e));
-    pooled[r * d + e] = route::pooled_query(sum, q1 - q0, a.scale);
+#pragma unroll 4
+      for (int q = q0; q < q1; ++q) {
+        float x[kVector];
+        load_vector<T>(a.q, a.q_offset(b, s, q, h) + e0, x);
+#pragma unroll
+        for (int e = 0; e < kVector; ++e) sum[e] = route::add_rn(sum[e], x[e]);
+      }
+#pragma unroll
+    for (int e = 0; e < kVector; ++e) pooled[r * d + e0 + e] = route::pooled_query(sum[e], q1 - q0, a.scale);
   }
   __syncthreads();
 
@@ -210,10 +215,15 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const route::SelectPar
       float k[kVector];
       load_vector<T>(a.k_summary, summary + j * a.summary_block_stride + e0, k);
 #pragma unroll
-      for (int e = 0; e < kVector; ++e)
+      for (int r = 0; r < kMaxRows; ++r)
+        if (r < rows) {
+          // The row's 8 pooled values in two 16-byte shared loads (one broadcast for the warp).
+          const float4 lo = *reinterpret_cast<const float4*>(pooled + r * d + e0);
+          const float4 hi = *reinterpret_cast<const float4*>(pooled + r * d + e0 + 4);
+          const float qv[kVector] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-        for (int r = 0; r < kMaxRows; ++r)
-          if (r < rows) acc[r] = route::fma_rn(pooled[r * d + e0 + e], k[e], acc[r]);
+          for (int e = 0; e < kVector; ++e) acc[r] = route::fma_rn(qv[e], k[e], acc[r]);
+        }
     }
 #pragma unroll
     for (int r = 0; r < kMaxRows; ++r)
@@ -252,7 +262,7 @@ cudaError_t launch(const route::SelectParams& sp, cudaStream_t stream) {
   // Rows per CTA: as many as keep the score rows within 64 KiB (the summary row is read once for them).
   layout.rows = std::clamp(16384 / kv_blocks, 1, kMaxRows);
   layout.score_stride = kv_blocks;
-  layout.key_slots = 1;
+  layout.key_slots = 2;  // keeps the pooled rows after the keys 16-byte aligned
   while (layout.key_slots < kv_blocks) layout.key_slots <<= 1;
   layout.chunks = route::ceil_div(kv_blocks, route::kSelectChunk);
   layout.words = sp.words;

@@ -1,11 +1,13 @@
 // Block selection on the GPU (SPEC §7): the kernel's bitmask equals the CPU engine's bit for bit on
 // random cases (every policy and forced option, batched and varlen, GQA heads = q and kv, f32 /
 // f16 / bf16, ties, up to thousands of KV blocks), with every output word poisoned before the run
-// and so checked written (padding words and varlen padding rows included).
+// and so checked written (padding words and varlen padding rows included); and a CUDA graph of the
+// call replayed with new Q values.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include "bsattn/bsattn.hpp"
@@ -79,6 +81,52 @@ TEST_P(GpuSelectTest, EqualsCpuBitForBit) {
   CUDA_OK(cudaStreamDestroy(stream));
 }
 INSTANTIATE_TEST_SUITE_P(Random, GpuSelectTest, ::testing::Range(0, 300));
+
+// Captured in a CUDA graph (validate = false: no host sync) and replayed with new Q values: each
+// replay writes the bits the CPU engine gives for the new values.
+TEST(GpuSelectGraph, ReplaysWithNewQueries) {
+  REQUIRE_SM90();
+  SelectCase c;
+  bsattn_test::make_select_case(c, 8300000, 2);
+  c.problem.num_threads = 0;
+  DeviceCopy q(c.inputs.q, c.q.size()), ks(c.inputs.k_summary, c.k_summary.size()),
+      cu_q(c.inputs.cu_seqlens_q, c.cu_q.size() * 4), cu_k(c.inputs.cu_seqlens_k, c.cu_k.size() * 4),
+      bits(c.bits_view, c.bits.size() * 4);
+  Problem p = c.problem;
+  p.device = Device::cuda;
+  p.validate = false;
+  Inputs in;
+  in.q = q.view;
+  in.k_summary = ks.view;
+  in.cu_seqlens_q = cu_q.view;
+  in.cu_seqlens_k = cu_k.view;
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  bsattn::select_blocks(p, in, c.options, bits.view, stream);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  std::mt19937_64 rng(5);
+  for (int replay = 0; replay < 3; ++replay) {
+    bsattn_test::fill_random(c.q, static_cast<std::int64_t>(c.q.size() / element_size(c.problem.dtype)), c.problem.dtype,
+                             rng, 0.1 * replay);
+    c.inputs.q.data = c.q.data();
+    c.poison();
+    bsattn::select_blocks(c.problem, c.inputs, c.options, c.bits_view);
+    const std::vector<std::uint32_t> expected = c.bits;
+    CUDA_OK(cudaMemcpy(q.data, c.q.data(), c.q.size(), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(bits.data, 0xab, c.bits.size() * 4));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaMemcpy(c.bits.data(), bits.data, c.bits.size() * 4, cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(c.bits == expected) << c.describe() << ", replay " << replay;
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
 
 }  // namespace
 }  // namespace bsattn_gpu_test
