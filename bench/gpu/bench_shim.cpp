@@ -125,4 +125,41 @@ int bsattn_bench_summaries(int batch, int seqlen, int hkv, int head_dim, int f16
   }
 }
 
+// Block selection (SPEC §7) of contiguous q [B, S, Hq, D] against k_summary [B, ceil(S/bk), Hkv, D]
+// into bits [B, Hs, ceil(S/bq), ceil(nKB/32)] uint32 (Hs = Hkv when kv_rows, else Hq); policy 0
+// top_k (value = k), 1 tau, 2 mass; launched on `stream` without value checks (no host sync).
+// Returns 0, or -1 (bsattn_bench_error says why).
+int bsattn_bench_select(int batch, int seqlen, int hq, int hkv, int head_dim, int f16, int bq, int bk, int policy,
+                        double value, int kv_rows, int causal, void* q, void* k_summary, void* bits, void* stream) {
+  try {
+    bsattn::Problem p;
+    p.batch = batch;
+    p.heads_q = hq;
+    p.heads_kv = hkv;
+    p.head_dim = head_dim;
+    p.max_seqlen_q = p.max_seqlen_kv = seqlen;
+    p.dtype = p.out_dtype = f16 ? bsattn::DType::f16 : bsattn::DType::bf16;
+    p.block = {bq, bk};
+    p.device = bsattn::Device::cuda;
+    p.validate = false;
+    bsattn::SelectOptions o;
+    o.policy = static_cast<bsattn::SelectPolicy>(policy);
+    o.top_k = static_cast<int>(value);
+    o.tau = static_cast<float>(value);
+    o.mass = static_cast<float>(value);
+    o.causal = causal != 0;
+    o.heads = kv_rows ? bsattn::SelectHeads::kv : bsattn::SelectHeads::query;
+    const std::int64_t nqb = (seqlen + bq - 1) / bq, nkb = (seqlen + bk - 1) / bk;
+    bsattn::Inputs in;
+    in.q = view(q, p.dtype, {batch, seqlen, hq, head_dim});
+    in.k_summary = view(k_summary, p.dtype, {batch, nkb, hkv, head_dim});
+    bsattn::select_blocks(p, in, o,
+                          view(bits, bsattn::DType::u32, {batch, kv_rows ? hkv : hq, nqb, (nkb + 31) / 32}), stream);
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
 }  // extern "C"
