@@ -29,6 +29,7 @@ struct SummarySpec {
   int heads_kv = 2;
   int block_kv = 64;
   int page_size = 64;
+  int min_seqlen = 1;  // contiguous: S is drawn from [min_seqlen, max_seqlen]
   int max_seqlen = 700;
   int batch = 0;  // 0: drawn
   bool validate = true;
@@ -107,7 +108,7 @@ std::unique_ptr<SummaryCase> make_summary_case(const SummarySpec& spec) {
 
   if (spec.layout == Layout::contiguous) {
     p.batch = spec.batch > 0 ? spec.batch : uni(1, 3);
-    const int S = uni(1, spec.max_seqlen);
+    const int S = uni(spec.min_seqlen, spec.max_seqlen);
     c->seqlen.assign(p.batch, S);
     p.max_seqlen_kv = S;
     c->k = c->add(p.dtype, {p.batch, S, stored_heads, D});
@@ -330,7 +331,8 @@ TEST(GpuSummary, LongSequenceOnAStream) {
     s.batch = 1;
     s.heads_kv = 8;
     s.block_kv = bk;
-    s.max_seqlen = 8192;
+    s.min_seqlen = 6000;  // with a tail: 8192 is a multiple of both block sizes
+    s.max_seqlen = 8191;
     s.validate = false;
     s.seed = 9300000 + bk;
     const auto c = make_summary_case(s);
