@@ -13,6 +13,9 @@ struct BackwardInputs {
   TensorView out;   // O of the forward: Q's layout, problem.out_dtype
   TensorView lse;   // LSE of the forward (required): f32, batched [B, Hq, Sq], varlen [Hq, total_q]
   TensorView dout;  // dL/dO: O's shape and dtype
+  // Optional dL/dLSE (LSE's shape, f32), when the loss uses the LSE too: since dLSE/dS = P, it
+  // adds P * dlse to dS. Left undefined, the LSE is treated as not part of the loss.
+  TensorView dlse;
 };
 
 // What it writes, every element (zeros where nothing was attended). dq has Q's shape, dk and dv

@@ -18,6 +18,8 @@ struct BackwardParams {
 
   const void* dout = nullptr;  // O's layout and dtype (fwd.out_type)
   TokenStrides dout_strides;
+  const float* dlse = nullptr;  // optional dL/dLSE, LSE's layout
+  std::int64_t dlse_batch_stride = 0, dlse_head_stride = 0, dlse_token_stride = 0;
   void* dq = nullptr;  // Q's layout
   TokenStrides dq_strides;
   ElementType dq_type = ElementType::f32;
@@ -31,6 +33,10 @@ struct BackwardParams {
   // Offset of row q (sequence-local) of head h in a tensor laid out like Q.
   BSATTN_HD std::int64_t q_like_offset(const TokenStrides& t, int b, const route::SeqInfo& s, int q, int h) const {
     return fwd.route.varlen_q ? (s.q_base + q) * t.token + h * t.head : b * t.batch + q * t.token + h * t.head;
+  }
+  BSATTN_HD std::int64_t dlse_offset(int b, const route::SeqInfo& s, int q, int h) const {
+    return fwd.route.varlen_q ? h * dlse_head_stride + (s.q_base + q) * dlse_token_stride
+                              : b * dlse_batch_stride + h * dlse_head_stride + q * dlse_token_stride;
   }
   // Offset of token kv of head hkv in a tensor laid out like (contiguous or packed) K/V.
   BSATTN_HD std::int64_t kv_like_offset(const TokenStrides& t, int b, const route::SeqInfo& s, int kv, int hkv) const {

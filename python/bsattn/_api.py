@@ -228,10 +228,11 @@ def attention(q, k, v, sparsity=None, *, scale=None, mask=None, proxy=None, retu
     return _run(run, q, problem, inputs, return_lse, out, lse, stream)
 
 
-def backward_run(q, k, v, slots, options, out, lse, dout, dq, dk, dv, stream=None):
+def backward_run(q, k, v, slots, options, out, lse, dout, dlse, dq, dk, dv, stream=None):
     """Writes dq, dk, dv (like q, k, v) from the flattened call of the forward."""
     problem, inputs = _describe(q, k, v, slots, options)
-    backward = {"out": _tensors.export(out), "lse": _tensors.export(lse), "dout": _tensors.export(dout)}
+    backward = {"out": _tensors.export(out), "lse": _tensors.export(lse), "dout": _tensors.export(dout),
+                "dlse": None if dlse is None else _tensors.export(dlse)}
     gradients = {"dq": _tensors.export(dq), "dk": _tensors.export(dk), "dv": _tensors.export(dv)}
     stream = _tensors.current_stream(q) if stream is None else stream
     with _tensors.device_guard(q):
@@ -240,12 +241,13 @@ def backward_run(q, k, v, slots, options, out, lse, dout, dq, dk, dv, stream=Non
 
 def attention_backward(q, k, v, out, lse, dout, sparsity=None, *, scale=None, mask=None, proxy=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                       block_table=None, seq_lens_kv=None, validate=True, num_threads=0, stream=None, dq=None,
-                       dk=None, dv=None):
+                       block_table=None, seq_lens_kv=None, validate=True, num_threads=0, stream=None, dlse=None,
+                       dq=None, dk=None, dv=None):
     """Gradients ``(dq, dk, dv)`` of `attention` for the loss gradient ``dout`` (SPEC §9).
 
     ``q, k, v`` and the keywords describe the forward call exactly as in `attention`; ``out`` and
-    ``lse`` are what it returned (``return_lse=True``), ``dout`` has ``out``'s shape and dtype.
+    ``lse`` are what it returned (``return_lse=True``), ``dout`` has ``out``'s shape and dtype;
+    ``dlse`` (float32, ``lse``'s shape) adds the gradient of a loss that uses the LSE too.
     Every attended pair contributes, rows with ``lse = -inf`` nothing; accumulation is fp32.
     ``dq``, ``dk``, ``dv`` may be given (Q's, K's, V's shape, in their dtype or float32), else
     they are allocated like q, k, v. CPU engine only for now; proxy compensation and paged KV
@@ -257,7 +259,7 @@ def attention_backward(q, k, v, out, lse, dout, sparsity=None, *, scale=None, ma
         cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=block_table, seq_lens_kv=seq_lens_kv)
     dq, dk, dv = (_tensors.empty(t, _tensors.shape_of(t), _tensors.dtype_name(t)) if g is None else g
                   for t, g in ((q, dq), (k, dk), (v, dv)))
-    backward_run(q, k, v, slots, options, out, lse, dout, dq, dk, dv, stream)
+    backward_run(q, k, v, slots, options, out, lse, dout, dlse, dq, dk, dv, stream)
     return _tensors.finish(q, dq), _tensors.finish(k, dk), _tensors.finish(v, dv)
 
 

@@ -6,7 +6,7 @@ CUDA graphs, on the current torch stream.
   running it. ``lse`` is an empty tensor unless ``return_lse``.
 * ``torch.ops.bsattn.attention_out(q, k, v, slots, *options, out, lse)`` writes into given
   outputs (``attention(..., out=)``).
-* ``torch.ops.bsattn.attention_backward(q, k, v, slots, *options, out, lse, dout) -> (dq, dk, dv)``
+* ``torch.ops.bsattn.attention_backward(q, k, v, slots, *options, out, lse, dout, dlse) -> (dq, dk, dv)``
   is the backward (CPU engine), registered as the autograd formula of ``attention``: when q, k
   or v requires grad, `bsattn.attention` asks the op for the LSE the backward needs.
 
@@ -37,7 +37,8 @@ _TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloa
 torch.library.define("bsattn::attention", f"({_INPUT_SCHEMA}) -> (Tensor, Tensor)")
 torch.library.define("bsattn::attention_out", f"({_INPUT_SCHEMA}, Tensor(a!) out, Tensor(b!)? lse) -> ()")
 torch.library.define("bsattn::attention_backward",
-                     f"({_INPUT_SCHEMA}, Tensor out, Tensor lse, Tensor dout) -> (Tensor, Tensor, Tensor)")
+                     f"({_INPUT_SCHEMA}, Tensor out, Tensor lse, Tensor dout, Tensor? dlse) "
+                     "-> (Tensor, Tensor, Tensor)")
 
 _MAX_PLANS = 32
 _plans = collections.OrderedDict()  # problem -> (plan, lock), least recently used first
@@ -95,10 +96,10 @@ def _attention_fake(q, k, v, slots, *options):
 
 @torch.library.impl("bsattn::attention_backward", ("cpu", "cuda"))
 def _attention_backward(q, k, v, slots, *arguments):
-    *options, out, lse, dout = arguments
+    *options, out, lse, dout, dlse = arguments
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _api.backward_run(q, k, v, dict(zip(_api.SLOT_NAMES, slots)), dict(zip(_api.OPTION_NAMES, options)), out, lse,
-                      dout, dq, dk, dv, _tensors.current_stream(q))
+                      dout, dlse, dq, dk, dv, _tensors.current_stream(q))
     return dq, dk, dv
 
 
@@ -119,10 +120,10 @@ def _backward(ctx, grad_out, grad_lse):
     if not ctx.options[_RETURN_LSE]:
         raise RuntimeError("bsattn: no LSE was kept for the backward; call bsattn.attention with q, k or v requiring "
                            "grad (or return_lse=True)")
-    if grad_lse is not None and bool(grad_lse.ne(0).any()):
-        raise NotImplementedError("bsattn: gradients through the returned LSE are not supported; use it detached")
-    # dO with a contiguous last dimension (the gradient of a sum arrives as an expanded view).
-    dq, dk, dv = torch.ops.bsattn.attention_backward(q, k, v, slots, *ctx.options, out, lse, grad_out.contiguous())
+    # dO with a contiguous last dimension (the gradient of a sum arrives as an expanded view); the
+    # LSE's gradient (zeros when the loss does not use it) enters dS too.
+    dq, dk, dv = torch.ops.bsattn.attention_backward(q, k, v, slots, *ctx.options, out, lse, grad_out.contiguous(),
+                                                     None if grad_lse is None else grad_lse.contiguous())
     return (dq, dk, dv, None, *(None for _ in ctx.options))
 
 

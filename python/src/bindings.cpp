@@ -366,7 +366,7 @@ NB_MODULE(_bsattn, m) {
       },
       "problem"_a, "inputs"_a, "outputs"_a, "stream"_a = 0);
 
-  // backward: "out" / "lse" / "dout" -> tensors; gradients: "dq" / "dk" / "dv" -> tensors.
+  // backward: "out" / "lse" / "dout" / "dlse" (None: not given) -> tensors; gradients: "dq" / "dk" / "dv".
   m.def(
       "attention_backward",
       [](const nb::dict& problem, const nb::dict& inputs, const nb::dict& backward, const nb::dict& gradients,
@@ -378,6 +378,7 @@ NB_MODULE(_bsattn, m) {
         b.out = bound.input(backward["out"], "backward.out");
         b.lse = bound.input(backward["lse"], "backward.lse");
         b.dout = bound.input(backward["dout"], "backward.dout");
+        if (!backward["dlse"].is_none()) b.dlse = bound.input(backward["dlse"], "backward.dlse");
         bsattn::Gradients g;
         g.dq = bound.output(gradients["dq"], "gradients.dq");
         g.dk = bound.output(gradients["dk"], "gradients.dk");

@@ -78,12 +78,16 @@ void validate_backward(const Problem& pb, const Inputs& in, const BackwardInputs
   expect_required(pb, "backward.lse", bw.lse, lse_dims(pb, e), DType::f32, Access::strided,
                   "the forward's LSE (P is recomputed from it)");
   expect_required(pb, "backward.dout", bw.dout, q, pb.out_dtype, Access::vectors, "the gradient of O");
+  if (bw.dlse.defined()) expect_tensor(pb, "backward.dlse", bw.dlse, lse_dims(pb, e), DType::f32, Access::strided);
   expect_gradient(pb, "gradients.dq", grads.dq, q);
   expect_gradient(pb, "gradients.dk", grads.dk, kv);
   expect_gradient(pb, "gradients.dv", grads.dv, kv);
 
   std::vector<Named> read = read_inputs(in);
-  read.insert(read.end(), {{"backward.out", &bw.out}, {"backward.lse", &bw.lse}, {"backward.dout", &bw.dout}});
+  read.insert(read.end(), {{"backward.out", &bw.out},
+                           {"backward.lse", &bw.lse},
+                           {"backward.dout", &bw.dout},
+                           {"backward.dlse", &bw.dlse}});
   const Named written[] = {{"gradients.dq", &grads.dq}, {"gradients.dk", &grads.dk}, {"gradients.dv", &grads.dv}};
   for (const Named& w : written) {
     const ByteRange r = byte_range(*w.second);
@@ -111,6 +115,13 @@ BackwardParams bind_backward(const Problem& pb, const TileShape& tiles, int capa
   g.fwd = bind(pb, tiles, capacity, in, as_forward);
   g.dout = bw.dout.data;
   g.dout_strides = q_like_strides(pb, bw.dout);
+  if (bw.dlse.defined()) {
+    const bool varlen = is_varlen(pb);
+    g.dlse = static_cast<const float*>(bw.dlse.data);
+    g.dlse_batch_stride = varlen ? 0 : bw.dlse.stride[0];
+    g.dlse_head_stride = bw.dlse.stride[varlen ? 0 : 1];
+    g.dlse_token_stride = bw.dlse.stride[varlen ? 1 : 2];
+  }
   g.dq = grads.dq.data;
   g.dq_strides = q_like_strides(pb, grads.dq);
   g.dq_type = element_type(g.fwd, grads.dq.dtype);

@@ -8,7 +8,7 @@
 namespace bsattn::formats {
 
 // Every rule the backward adds to the forward's (docs/VALIDATION.md): the problem has a backward
-// (no proxy, no paged KV); O, LSE, dO match the problem; dq, dk, dv are shaped like Q, K, V in
+// (no proxy, no paged KV); O, LSE, dO (and dLSE when given) match the problem; dq, dk, dv are shaped like Q, K, V in
 // problem.dtype or f32, contiguous along D, and overlap nothing else. Then the inputs' structure.
 void validate_backward(const Problem& problem, const Inputs& inputs, const BackwardInputs& backward,
                        const Gradients& gradients);

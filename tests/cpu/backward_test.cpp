@@ -93,7 +93,8 @@ TensorView padded_tensor(RandomCase& c, DType dtype, const std::vector<std::int6
 std::vector<std::int64_t> shape_of(const TensorView& t) { return {t.shape.begin(), t.shape.begin() + t.rank}; }
 
 // A random case with a backward: the forward run by the library (its O and LSE are what the
-// backward reads), a random dO, and poisoned gradients in the input dtype or f32.
+// backward reads), a random dO, half of the time a random dLSE, and poisoned gradients in the
+// input dtype or f32.
 struct BackwardCase {
   std::unique_ptr<RandomCase> c;
   bsattn::BackwardInputs backward;
@@ -101,7 +102,8 @@ struct BackwardCase {
 
   std::string describe() const {
     return c->describe() + " grads=" + bsattn::to_string(gradients.dq.dtype) + "/" +
-           bsattn::to_string(gradients.dk.dtype) + "/" + bsattn::to_string(gradients.dv.dtype);
+           bsattn::to_string(gradients.dk.dtype) + "/" + bsattn::to_string(gradients.dv.dtype) +
+           (backward.dlse.defined() ? " dlse" : "");
   }
 
   void poison_gradients() const {
@@ -154,6 +156,10 @@ std::unique_ptr<BackwardCase> make_backward_case(std::uint64_t seed, CaseOptions
   bc->backward.dout = padded_tensor(c, p.out_dtype, shape_of(c.outputs.out));
   std::normal_distribution<double> normal(0, 1);
   for_each_offset(bc->backward.dout, [&](std::int64_t o) { store(bc->backward.dout, o, normal(c.rng)); });
+  if (std::bernoulli_distribution(0.5)(c.rng)) {
+    bc->backward.dlse = padded_tensor(c, DType::f32, shape_of(c.outputs.lse));
+    for_each_offset(bc->backward.dlse, [&](std::int64_t o) { store(bc->backward.dlse, o, normal(c.rng)); });
+  }
   std::bernoulli_distribution f32(0.4);
   bc->gradients.dq = padded_tensor(c, f32(c.rng) ? DType::f32 : p.dtype, shape_of(c.inputs.q));
   bc->gradients.dk = padded_tensor(c, f32(c.rng) ? DType::f32 : p.dtype, shape_of(c.inputs.k));
@@ -219,7 +225,7 @@ std::string check_backward(const BackwardCase& bc) {
   const RandomCase& c = *bc.c;
   const bsattn::Problem& p = c.problem;
   const Oracle oracle(p, c.inputs, c.custom_mask);
-  const OracleGradients want = oracle.backward(bc.backward.dout);
+  const OracleGradients want = oracle.backward(bc.backward.dout, bc.backward.dlse);
   const bool varlen = p.q_layout == bsattn::QLayout::varlen;
   const int H = p.heads_q, Hkv = p.heads_kv;
   // Row index (row * heads + head) -> element offset of the row's first element.
@@ -327,19 +333,20 @@ TEST(Backward, DeterministicAcrossThreadCounts) {
 }
 
 // The oracle's backward against central finite differences of the oracle's forward, for the loss
-// sum(dO * O), on small f32 cases (a random sample of the elements of Q, K and V is perturbed).
+// sum(dO * O) (+ sum(dLSE * LSE) over the rows that attend something), on small f32 cases (a random sample of the elements of Q, K and V is perturbed).
 TEST(OracleBackward, MatchesFiniteDifferences) {
   CaseOptions options;
   options.max_seqlen = 40;
-  int checked = 0;
+  int checked = 0, perturbed = 0;
   for (std::uint64_t seed = 23000000; checked < 4; ++seed) {
     const auto bc = make_backward_case(seed, options);
     RandomCase& c = *bc->c;
     const bsattn::Problem& p = c.problem;
     if (p.dtype != DType::f32 || p.out_dtype != DType::f32 || p.head_dim > 40 || p.heads_q > 4) continue;
+    if (bc->backward.dlse.defined() != (checked % 2 == 1)) continue;  // with and without dLSE
     ++checked;
     const Oracle oracle(p, c.inputs, c.custom_mask);
-    const OracleGradients g = oracle.backward(bc->backward.dout);
+    const OracleGradients g = oracle.backward(bc->backward.dout, bc->backward.dlse);
     const bool varlen = p.q_layout == bsattn::QLayout::varlen;
     const int H = p.heads_q, D = p.head_dim;
     const auto loss = [&] {
@@ -354,6 +361,14 @@ TEST(OracleBackward, MatchesFiniteDifferences) {
                                          : read_real(bc->backward.dout, {b, q, h, d});
               l += dout * r.out[static_cast<std::size_t>((row * H + h) * D + d)];
             }
+      const TensorView& dlse = bc->backward.dlse;
+      for (int b = 0; b < p.batch && dlse.defined(); ++b)
+        for (int q = 0; q < c.seqlen_q[b]; ++q)
+          for (int h = 0; h < H; ++h) {
+            const double lse = r.lse[static_cast<std::size_t>(oracle.q_row(b, q) * H + h)];
+            if (std::isfinite(lse))
+              l += lse * (varlen ? read_real(dlse, {oracle.q_row(b, q), h}) : read_real(dlse, {b, h, q}));
+          }
       return l;
     };
     // Perturbs sampled elements of `t` and compares (L(x+e) - L(x-e)) / (2e) with `grad`.
@@ -378,12 +393,14 @@ TEST(OracleBackward, MatchesFiniteDifferences) {
         const double fd = (up - down) / (static_cast<double>(plus) - minus);
         EXPECT_NEAR(fd, grad[i], 1e-4 * std::max(1.0, largest)) << name << " element " << i << " " << bc->describe();
         ++i;
+        ++perturbed;
       });
     };
     check("dQ", c.inputs.q, g.dq);
     check("dK", c.inputs.k, g.dk);
     check("dV", c.inputs.v, g.dv);
   }
+  EXPECT_GE(perturbed, 150);
 }
 
 // ---- Bad input: a clear error naming the argument, and nothing written -----------------------
@@ -432,6 +449,12 @@ TEST(BackwardValidation, NamesTheArgumentAndWritesNothing) {
   EXPECT_EQ(r.argument([](P&, I&, B& b, G&) { b.out.dtype = b.out.dtype == DType::f32 ? DType::f16 : DType::f32; }),
             "backward.out");
   EXPECT_EQ(r.argument([](P&, I&, B& b, G&) { b.lse.shape[0] += 1; }), "backward.lse");
+  EXPECT_EQ(r.argument([](P&, I&, B& b, G&) {
+              b.dlse = b.lse;
+              b.dlse.shape[2] -= 1;
+            }),
+            "backward.dlse");
+  EXPECT_EQ(r.argument([](P&, I&, B& b, G&) { b.dlse = b.lse; }), "(no error)");  // inputs may alias
   EXPECT_EQ(r.argument([](P&, I&, B&, G& g) { g.dq.dtype = DType::i32; }), "gradients.dq");
   EXPECT_EQ(r.argument([](P&, I&, B&, G& g) { g.dk.shape[1] += 1; }), "gradients.dk");
   EXPECT_EQ(r.argument([](P&, I&, B&, G& g) { g.dv.stride[3] = 2; }), "gradients.dv");  // last dim not contiguous

@@ -418,7 +418,7 @@ std::int64_t Oracle::total_kv_rows() const {
                                               : static_cast<std::int64_t>(problem_.batch) * problem_.max_seqlen_kv;
 }
 
-OracleGradients Oracle::backward(const TensorView& dout) const {
+OracleGradients Oracle::backward(const TensorView& dout, const TensorView& dlse) const {
   if (problem_.proxy != bsattn::Proxy::off || problem_.kv_layout == KVLayout::paged)
     throw std::logic_error("oracle: backward of proxy routes or paged KV");
   const int H = problem_.heads_q, Hkv = problem_.heads_kv, D = problem_.head_dim;
@@ -467,8 +467,9 @@ OracleGradients Oracle::backward(const TensorView& dout) const {
             p[i] /= sum;
             for (int d = 0; d < D; ++d) o[d] += p[i] * v[keys[i] * D + d];
           }
-          double delta = 0;  // rowsum(dO * O)
+          double delta = 0;  // rowsum(dO * O) - dLSE (dLSE / dS = P)
           for (int d = 0; d < D; ++d) delta += dO[d] * o[d];
+          if (dlse.defined()) delta -= varlen ? read_real(dlse, {h, row}) : read_real(dlse, {b, h, qi});
           double* dq = &g.dq[static_cast<std::size_t>((row * H + h) * D)];
           for (std::size_t i = 0; i < keys.size(); ++i) {
             const int kv = keys[i];

@@ -75,10 +75,11 @@ class Oracle {
   // number of rows (contiguous K/V only).
   std::int64_t kv_row(int b, int kv) const;
   std::int64_t total_kv_rows() const;
-  // float64 backward (SPEC §9) of the attention compute() evaluates, for the loss sum(dO * O):
-  // P = softmax(S) over the attended tokens, dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
-  // dQ = scale * dS K, dK = scale * dS^T Q. `dout` is laid out like O. Contiguous or varlen K/V, no proxy.
-  OracleGradients backward(const bsattn::TensorView& dout) const;
+  // float64 backward (SPEC §9) of the attention compute() evaluates, for the loss
+  // sum(dO * O) + sum(dLSE * LSE): P = softmax(S) over the attended tokens, dV = P^T dO,
+  // dP = dO V^T, dS = P * (dP - rowsum(dO * O) + dLSE), dQ = scale * dS K, dK = scale * dS^T Q.
+  // `dout` is laid out like O, `dlse` (optional) like the LSE. Contiguous or varlen K/V, no proxy.
+  OracleGradients backward(const bsattn::TensorView& dout, const bsattn::TensorView& dlse = {}) const;
 
   // float64 summaries of the given K/V (SPEC §6): mean K and sum V over the in-range tokens of
   // KV block kb, written to dst[D] each.

@@ -11,9 +11,9 @@ from conftest import per_head, random_blocks, random_qkv, reference
 import bsattn
 
 
-def backward_sequence(q, k, v, dout, partial, full, block_size, spec, scale=None):
-    """float64 (dq, dk, dv) of one sequence: q [Sq, Hq, D], k, v [Skv, Hkv, D], dout like q;
-    partial / full bool [Hq, nQB, nKB]. dS = P * (dP - rowsum(dO * O))."""
+def backward_sequence(q, k, v, dout, partial, full, block_size, spec, scale=None, dlse=None):
+    """float64 (dq, dk, dv) of one sequence: q [Sq, Hq, D], k, v [Skv, Hkv, D], dout like q, dlse
+    [Hq, Sq] or None; partial / full bool [Hq, nQB, nKB]. dS = P * (dP - rowsum(dO * O) + dLSE)."""
     sq, hq, d = q.shape
     skv, hkv, _ = k.shape
     scale = 1.0 / np.sqrt(d) if scale is None else scale
@@ -31,7 +31,8 @@ def backward_sequence(q, k, v, dout, partial, full, block_size, spec, scale=None
         p[live] /= p[live].sum(axis=1, keepdims=True)
         o = p @ v[:, g]
         dp = dout[:, h] @ v[:, g].T
-        ds = p * (dp - (dout[:, h] * o).sum(axis=1, keepdims=True))
+        delta = (dout[:, h] * o).sum(axis=1, keepdims=True) - (0 if dlse is None else dlse[h][:, None])
+        ds = p * (dp - delta)
         dq[:, h] = scale * ds @ k[:, g]
         dk[:, g] += scale * ds.T @ q[:, h]
         dv[:, g] += p.T @ dout[:, h]
@@ -131,20 +132,21 @@ def torch_case(rng, dtype_name="float32"):
     return torch, [t.to(dtype) for t in (q, k, v)], dense.numpy(), sparsity, block_size
 
 
-def expected_torch(q, k, v, dout, dense, block_size, spec):
+def expected_torch(q, k, v, dout, dense, block_size, spec, dlse=None):
     pattern = per_head(dense, 0, q.shape[2])
     return backward_sequence(*as64(q[0].float().numpy(), k[0].float().numpy(), v[0].float().numpy(),
-                                   dout[0].float().numpy()), pattern, np.zeros_like(pattern), block_size, spec)
+                                   dout[0].float().numpy()), pattern, np.zeros_like(pattern), block_size, spec,
+                             dlse=None if dlse is None else dlse[0].double().numpy())
 
 
-def test_torch_functional(rng):
+def test_torch_functional_with_dlse(rng):
     torch, (q, k, v), dense, sparsity, block_size = torch_case(rng)
     mask = bsattn.Mask(causal=True)
     out, lse = bsattn.attention(q, k, v, sparsity, mask=mask, return_lse=True)
-    dout = torch.randn_like(out)
-    dq, dk, dv = bsattn.attention_backward(q, k, v, out, lse, dout, sparsity, mask=mask)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    dq, dk, dv = bsattn.attention_backward(q, k, v, out, lse, dout, sparsity, mask=mask, dlse=dlse)
     assert isinstance(dq, torch.Tensor)
-    expected = expected_torch(q, k, v, dout, dense, block_size, reference.MaskSpec(causal=True))
+    expected = expected_torch(q, k, v, dout, dense, block_size, reference.MaskSpec(causal=True), dlse)
     assert_grads_close([t[0].numpy() for t in (dq, dk, dv)], expected, 1e-4)
 
 
@@ -162,6 +164,29 @@ def test_torch_autograd(rng, dtype_name):
     assert q.grad.dtype == q.dtype
     atol = 1e-4 if dtype_name == "float32" else 3e-2
     assert_grads_close([t.grad[0].float().numpy() for t in (q, k, v)], expected, atol)
+
+
+def test_torch_compile_autograd_with_lse_in_the_loss(rng):
+    """torch.compile(fullgraph=True) of a loss using both O and the LSE, backward included, gives
+    eager's gradients, which match the float64 reference."""
+    torch, (q, k, v), dense, sparsity, block_size = torch_case(rng)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    mask = bsattn.Mask(causal=True)
+    dout = torch.randn(q.shape)
+    dlse = torch.randn(q.shape[0], q.shape[2], q.shape[1])
+
+    def loss(q, k, v):
+        out, lse = bsattn.attention(q, k, v, sparsity, mask=mask, return_lse=True)
+        return (out * dout).sum() + (lse * dlse).sum()
+
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5)
+    expected = expected_torch(q.detach(), k.detach(), v.detach(), dout, dense, block_size,
+                              reference.MaskSpec(causal=True), dlse)
+    assert_grads_close([g[0].numpy() for g in eager], expected, 1e-4)
 
 
 @pytest.mark.filterwarnings("ignore:Input #.*not a double precision")  # bsattn has no float64

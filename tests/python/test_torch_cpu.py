@@ -110,11 +110,13 @@ def test_compile_with_dynamic_sequence_length():
         torch.testing.assert_close(compiled(q, k, v), expected, atol=0, rtol=0)
 
 
-def test_backward_is_refused_loudly():
+def test_backward_of_proxy_routes_is_refused_loudly():
+    """Autograd works (tests/python/test_backward.py) except where the backward does not exist."""
     q = torch.randn(1, 64, 2, 32, requires_grad=True)
     k, v = torch.randn(1, 64, 2, 32), torch.randn(1, 64, 2, 32)
-    out = bsattn.attention(q, k, v)
-    with pytest.raises(NotImplementedError, match="backward"):
+    out = bsattn.attention(q, k, v, bsattn.from_dense_block_mask(torch.ones(1, 1, dtype=torch.bool), 64),
+                           proxy=bsattn.build_summaries(k, v, 64))
+    with pytest.raises(bsattn.BsattnError, match="backward of proxy routes is not supported"):
         out.sum().backward()
 
 

@@ -3,7 +3,8 @@
 // there), fp32 accumulation. Header-only, like the forward, so a custom mask functor inlines.
 //
 // With P = exp(S - LSE) (S = scale * Q K^T on the attended pairs, the forward's LSE), dP = dO V^T,
-// delta = rowsum(dO * O) and dS = P * (dP - delta):
+// delta = rowsum(dO * O) - dLSE (dLSE, the LSE's own gradient, 0 unless given: dLSE/dS = P) and
+// dS = P * (dP - delta):
 //   dV = P^T dO,   dK = scale * dS^T Q,   dQ = scale * dS K.
 // Rows with LSE = -inf attended nothing and contribute nothing.
 //
@@ -30,7 +31,7 @@ namespace bsattn::cpu {
 namespace detail {
 
 // The query side of one (Q tile, query head) pair, in fp32: Q with the scale folded in, dO,
-// LSE and delta = rowsum(dO * O) per row.
+// LSE and delta = rowsum(dO * O) - dLSE per row.
 struct QTileGrad {
   float* q;
   float* dout;
@@ -60,7 +61,7 @@ inline void load_q_tile_grad(const BackwardParams& g, int b, const route::SeqInf
     load_row(a.out, a.out_offset(b, s, q0 + r, h), d, a.out_type, tmp);
     float delta = 0.0f;
     for (int i = 0; i < d; ++i) delta += dout[i] * tmp[i];
-    t.delta[r] = delta;
+    t.delta[r] = g.dlse ? delta - g.dlse[g.dlse_offset(b, s, q0 + r, h)] : delta;
     t.lse[r] = a.lse[a.lse_offset(b, s, q0 + r, h)];
   }
 }
