@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/bsattn-device-check}
 PEERS=${PEERS:-all}
 STEPS=${STEPS:-tests sanitize sass bench}
 mkdir -p "$OUT"
-T=$BUILD/tests/bsattn_gpu_forward_test
+T=$BUILD/tests/bsattn_gpu_test
 LIB=$BUILD/bench/gpu/libbsattn_bench.so
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
@@ -55,7 +55,7 @@ fi
 if [[ " $STEPS " == *" variants "* ]]; then
   # The cp.async producer (no TMA) must stay correct; timing of the run-time variants.
   echo "== variants"
-  BSATTN_GPU_NO_TMA=1 timeout 120 "$T" > "$OUT/gpu_tests_no_tma.log" 2>&1
+  BSATTN_GPU_NO_TMA=1 timeout 120 "$T" --gtest_filter="GpuForward.*:GpuPaged.*" > "$OUT/gpu_tests_no_tma.log" 2>&1
   echo "tests without TMA rc=$?: $(grep -E '^\[  (PASSED|FAILED)  \]' "$OUT/gpu_tests_no_tma.log" | head -3 | tr '\n' ' ')"
   for v in BSATTN_GPU_NO_TMA; do
     env $v=1 PYTHONUNBUFFERED=1 timeout 150 python3 bench/gpu/bench_forward.py --lib "$LIB" --peers none \
@@ -65,8 +65,8 @@ fi
 if [[ " $STEPS " == *" summaries "* ]]; then
   # Proxy summaries (issue 11): tests, memcheck + racecheck on a subset, bandwidth vs 4.21 TB/s.
   echo "== summaries"
-  S=$BUILD/tests/bsattn_gpu_summary_test
-  timeout 120 "$S" > "$OUT/summary_tests.log" 2>&1
+  S=$T
+  timeout 120 "$S" --gtest_filter="*Summary*" > "$OUT/summary_tests.log" 2>&1
   [[ $? == 0 ]] || status=1
   echo "summary tests: $(grep -E '^\[  (PASSED|FAILED)  \]' "$OUT/summary_tests.log" | head -3 | tr '\n' ' ')"
   for tool in memcheck racecheck; do

@@ -23,10 +23,12 @@ struct PipelineBarriers {
 constexpr int kLoaderThreads = 96;
 
 // cp.async loader: kLoaderThreads threads copy one K or V tile (16 bytes each per step), then
-// each thread arrives on the stage's full barrier when its own copies have landed.
-template <class T, bool kIsV>
-__device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, const typename T::Element* base,
-                                             std::int64_t token_stride, int k0, int n_valid, int stage, int ptid) {
+// each thread arrives on the stage's full barrier when its own copies have landed. `row(kv)`
+// addresses token kv of the sequence (a page lookup for paged KV); it is called for the tile's
+// valid tokens only, so a block table is never read past the sequence's pages.
+template <class T, bool kIsV, class RowAddress>
+__device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, const RowAddress& row, int k0, int n_valid,
+                                             int stage, int ptid) {
   constexpr int kChunks = T::kHeadDim / 8;
   constexpr int kRowsPerStep = kLoaderThreads / kChunks;
   static_assert(kLoaderThreads % kChunks == 0, "whole rows per step");
@@ -38,7 +40,7 @@ __device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, cons
     const int n = n0 + ptid / kChunks;
     if (T::kBlockN % kRowsPerStep != 0 && n >= T::kBlockN) break;
     const bool valid = n < n_valid;
-    const typename T::Element* src = valid ? base + static_cast<std::int64_t>(k0 + n) * token_stride + d : base;
+    const typename T::Element* src = valid ? row(k0 + n) + d : row.base();
     if constexpr (kIsV) cp_async_16(&sVt(d, n, stage), src, valid);
     else cp_async_16(&sK(n, d, stage), src, valid);
   }
@@ -136,23 +138,35 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
       load(st.v, &desc.v, bars.full_v, bars.empty_v, stage, phase, token);
     }
   } else {
-    const Element* kbase = static_cast<const Element*>(a.k) + a.kv_offset(tile.b, tile.si, 0, hkv, a.k_batch_stride,
-                                                                         a.k_token_stride, a.k_head_stride);
-    const Element* vbase = static_cast<const Element*>(a.v) + a.kv_offset(tile.b, tile.si, 0, hkv, a.v_batch_stride,
-                                                                         a.v_token_stride, a.v_head_stride);
+    // Token kv of this tile's sequence and KV head in K or V: one multiply-add when contiguous,
+    // a block-table lookup when paged.
+    struct RowAddress {
+      const Element* tensor;
+      const AttentionParams& a;
+      const Tile& tile;
+      std::int64_t batch_stride, token_stride, head_stride;
+      __device__ __forceinline__ const Element* base() const { return tensor; }
+      __device__ __forceinline__ const Element* operator()(int kv) const {
+        return tensor + a.kv_offset(tile.b, tile.si, kv, tile.hkv, batch_stride, token_stride, head_stride);
+      }
+    };
+    const RowAddress k_row{static_cast<const Element*>(a.k), a, tile, a.k_batch_stride, a.k_token_stride,
+                           a.k_head_stride};
+    const RowAddress v_row{static_cast<const Element*>(a.v), a, tile, a.v_batch_stride, a.v_token_stride,
+                           a.v_head_stride};
     // One operand of a route into `stage`; each thread arrives once its own copies have landed.
-    const auto load = [&](auto is_v, const Element* base, std::int64_t token_stride, std::uint64_t* full,
-                          std::uint64_t* empty, int stage, int phase, int k0, int n_valid) {
+    const auto load = [&](auto is_v, const RowAddress& row, std::uint64_t* full, std::uint64_t* empty, int stage,
+                          int phase, int k0, int n_valid) {
       Barrier::wait(&empty[stage], phase ^ 1);
-      produce_tile<T, decltype(is_v)::value>(st, base, token_stride, k0, n_valid, stage, ptid);
+      produce_tile<T, decltype(is_v)::value>(st, row, k0, n_valid, stage, ptid);
       cp_async_arrive_noinc(&full[stage]);
     };
     for (int i = 0; i < tile.count; ++i) {
       const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
       const int k0 = tile.routes[i].index * p.tile_n;
       const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
-      load(std::false_type{}, kbase, a.k_token_stride, bars.full_k, bars.empty_k, stage, phase, k0, n_valid);
-      load(std::true_type{}, vbase, a.v_token_stride, bars.full_v, bars.empty_v, stage, phase, k0, n_valid);
+      load(std::false_type{}, k_row, bars.full_k, bars.empty_k, stage, phase, k0, n_valid);
+      load(std::true_type{}, v_row, bars.full_v, bars.empty_v, stage, phase, k0, n_valid);
     }
   }
 }
