@@ -189,6 +189,24 @@ def test_torch_compile_autograd_with_lse_in_the_loss(rng):
     assert_grads_close([g[0].numpy() for g in eager], expected, 1e-4)
 
 
+def test_opcheck_backward_op(rng):
+    """The backward custom op's schema, fake implementation and registration (what torch.compile
+    relies on), with and without dLSE."""
+    torch = pytest.importorskip("torch")
+    from bsattn import _api
+
+    q, k, v = (torch.from_numpy(t) for t in random_qkv(rng, (1, 70, 2, 16), (1, 90, 1, 16)))
+    slots, options = _api._flatten(None, bsattn.Mask(causal=True), None, scale=None, out_dtype=None, return_lse=True,
+                                   validate=True, num_threads=0, max_seqlen_q=None, max_seqlen_k=None,
+                                   cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
+                                   seq_lens_kv=None)
+    arguments = (q, k, v, [slots[n] for n in _api.SLOT_NAMES], *(options[n] for n in _api.OPTION_NAMES))
+    out, lse = torch.ops.bsattn.attention(*arguments)
+    for dlse in (None, torch.randn_like(lse)):
+        torch.library.opcheck(torch.ops.bsattn.attention_backward.default,
+                              (*arguments, out, lse, torch.randn_like(out), dlse))
+
+
 @pytest.mark.filterwarnings("ignore:Input #.*not a double precision")  # bsattn has no float64
 def test_torch_autograd_of_a_sum_and_gradcheck(rng):
     """dO arriving as an expanded view (the gradient of a sum), and torch.autograd.gradcheck of the
