@@ -8,8 +8,8 @@
 //   m   = max_i lse_i,   w_i = exp(lse_i - m),   s = sum_i w_i
 //   out = sum_i w_i * o_i / s,   lse = m + log(s)
 // and the result is rounded once to O's dtype.
-//   * A part with lse_i = -inf (an empty row) has weight 0 and its O is not read; a row where
-//     every part is empty gives O = 0, LSE = -inf.
+//   * A part with lse_i = -inf (an empty row) has weight 0 and its O is ignored (it may hold
+//     anything); a row where every part is empty gives O = 0, LSE = -inf.
 //   * A NaN LSE in any part makes the row's O and LSE NaN (so does lse_i = +inf, which no
 //     attention result holds); NaN in the O of a part with nonzero weight reaches the output.
 //

@@ -6,6 +6,10 @@
 
 #include "bsattn/cpu/engine.hpp"
 #include "formats/merge.hpp"
+#if BSATTN_WITH_CUDA
+#include "gpu/device_guard.hpp"
+#include "gpu/merge_states.hpp"
+#endif
 
 namespace bsattn {
 namespace {
@@ -13,25 +17,31 @@ namespace {
 // Below this many elements read and written, starting worker threads costs more than it saves.
 constexpr std::int64_t kParallelElements = std::int64_t(1) << 20;
 
-// All heads of one token row (b, s): weights from the parts' LSEs, then O in chunks of D.
+// All heads of one token row (b, s), D in chunks: each part's LSE, then its O if it counts.
 void merge_token_row(const merge::MergeParams& p, std::int64_t row) {
   constexpr int kChunk = 256;
   float acc[kChunk], part[kChunk];
   const std::int64_t b = row / p.tokens, s = row % p.tokens;
   for (std::int64_t h = 0; h < p.heads; ++h) {
-    const merge::Weights w = merge::merge_weights(p.parts, [&](int i) { return p.part_lse(i, b, s, h); });
-    for (int d0 = 0; d0 < p.head_dim; d0 += kChunk) {
+    merge::Accumulator a;
+    for (int d0 = 0; d0 < std::max(p.head_dim, 1); d0 += kChunk) {  // once at D = 0: the LSE
       const int n = std::min(kChunk, p.head_dim - d0);
       std::fill_n(acc, n, 0.0f);
+      a = merge::Accumulator{};
       for (int i = 0; i < p.parts; ++i) {
-        const float weight = w.weight(p.part_lse(i, b, s, h));
-        if (weight == 0.0f) continue;  // an empty part: its O is not read
+        float weight;
+        const float rescale = a.add(p.part_lse(i, b, s, h), weight);
+        if (rescale != 1.0f)
+          for (int d = 0; d < n; ++d) acc[d] *= rescale;
+        if (weight == 0.0f) continue;  // an empty part: its O is not even read
         cpu::detail::load_row(p.part(i).out, p.part_out_offset(i, b, s, h) + d0, n, p.type, part);
         for (int d = 0; d < n; ++d) acc[d] += weight * part[d];
       }
+      const float inv_sum = a.inv_sum();
+      for (int d = 0; d < n; ++d) acc[d] *= inv_sum;
       cpu::detail::store_row(p.result.out, p.result.out_offset(b, s, h) + d0, n, p.type, acc);
     }
-    if (p.result.lse) p.result.lse[p.result.lse_offset(b, s, h)] = w.lse;
+    if (p.result.lse) p.result.lse[p.result.lse_offset(b, s, h)] = a.lse();
   }
 }
 
@@ -55,9 +65,14 @@ void merge_parts(const std::vector<formats::MergePart>& parts, bool stacked, con
     merge_on_host(p);
     return;
   }
+#if BSATTN_WITH_CUDA
+  gpu::DeviceGuard guard(out.device_index);
+  gpu::cuda_check(gpu::merge_states(p, static_cast<cudaStream_t>(stream)), "merge_states kernel launch");
+#else
   (void)stream;
   throw Error("out", "is on cuda:" + std::to_string(out.device_index) +
-                         ": merging CUDA tensors is not implemented yet; use CPU tensors");
+                         ", but this build has no GPU code (BSATTN_ENABLE_CUDA=OFF); use CPU tensors");
+#endif
 }
 
 }  // namespace

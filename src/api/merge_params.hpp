@@ -50,33 +50,35 @@ struct MergeParams {
   }
 };
 
-// The merge of one (row, head): part i enters O with weight(lse_i).
-struct Weights {
-  float shift = 0.0f;    // max_i lse_i (0 when every part is empty); NaN when any lse_i is NaN
-  float inv_sum = 0.0f;  // 1 / sum_i exp(lse_i - shift); 0 when every part is empty
-  float lse = 0.0f;      // shift + log(sum): -inf when every part is empty
-
-  // exp(lse_i - max) / sum: 0 for an empty part (lse_i = -inf) and for every part of an empty
-  // row; NaN when the row holds a NaN LSE. A part of weight 0 need not be read.
-  BSATTN_HD float weight(float part_lse) const { return expf(part_lse - shift) * inv_sum; }
-};
-
-// `lse_of(i)` gives part i's LSE for i in [0, parts).
-template <class LseOf>
-BSATTN_HD Weights merge_weights(int parts, const LseOf& lse_of) {
+// The merge of one (row, head), one part at a time in a single pass (an online softmax over the
+// parts' LSEs), so that a part's LSE and O can be loaded together:
+//   float weight;
+//   const float rescale = acc.add(lse_i, weight);
+//   o_acc = o_acc * rescale (when rescale != 1) + weight * o_i (when weight != 0);
+// and at the end out = o_acc * acc.inv_sum(), lse = acc.lse(). An empty part (lse_i = -inf) has
+// weight 0 and changes nothing, so its O is never used; a NaN LSE (or +inf) turns the sum, the
+// accumulator and the LSE into NaN.
+struct Accumulator {
   float max_lse = -INFINITY;
-  for (int i = 0; i < parts; ++i) {
-    const float x = lse_of(i);
-    // A NaN is taken and then kept: no comparison with it is true (fmaxf would drop it).
-    if (x > max_lse || x != x) max_lse = x;
+  float sum = 0.0f;  // sum_i exp(lse_i - max_lse) over the parts added so far
+
+  // Returns the factor the O accumulator must be scaled by before adding weight * o_i.
+  BSATTN_HD float add(float part_lse, float& weight) {
+    weight = 0.0f;
+    if (part_lse == -INFINITY) return 1.0f;
+    float rescale = 1.0f;
+    // A NaN is taken as the new maximum and then kept: no comparison with it is true.
+    if (part_lse > max_lse || part_lse != part_lse) {
+      rescale = expf(max_lse - part_lse);  // 0 for the first non-empty part
+      sum *= rescale;
+      max_lse = part_lse;
+    }
+    weight = expf(part_lse - max_lse);
+    sum += weight;
+    return rescale;
   }
-  Weights w;
-  w.shift = max_lse == -INFINITY ? 0.0f : max_lse;  // all empty: every exp(-inf - 0) is 0
-  float sum = 0.0f;
-  for (int i = 0; i < parts; ++i) sum += expf(lse_of(i) - w.shift);
-  w.inv_sum = sum == 0.0f ? 0.0f : 1.0f / sum;  // NaN stays NaN
-  w.lse = sum == 0.0f ? -INFINITY : w.shift + logf(sum);
-  return w;
-}
+  BSATTN_HD float inv_sum() const { return sum == 0.0f ? 0.0f : 1.0f / sum; }  // 0 for an empty row
+  BSATTN_HD float lse() const { return sum == 0.0f ? -INFINITY : max_lse + logf(sum); }
+};
 
 }  // namespace bsattn::merge
