@@ -332,6 +332,27 @@ TEST(Backward, DeterministicAcrossThreadCounts) {
   }
 }
 
+// One plan runs the forward and the backward in turn (the scratch is sized for both): the same
+// bits as separate one-shot calls.
+TEST(Backward, OnePlanRunsForwardAndBackward) {
+  CaseOptions options;
+  options.custom_mask = false;
+  for (std::uint64_t seed = 22100000; seed < 22100006; ++seed) {
+    const auto bc = make_backward_case(seed, options);
+    bc->run();
+    const std::vector<std::uint8_t> separate = bc->gradient_bytes();
+    bsattn::Problem p = bc->c->problem;
+    p.validate = false;
+    bsattn::Plan plan(p);
+    for (int repeat = 0; repeat < 2; ++repeat) {
+      plan.run(bc->c->inputs, bc->c->outputs);
+      bc->poison_gradients();
+      plan.run_backward(bc->c->inputs, bc->backward, bc->gradients);
+      EXPECT_TRUE(separate == bc->gradient_bytes()) << bc->describe() << " repeat " << repeat;
+    }
+  }
+}
+
 // The oracle's backward against central finite differences of the oracle's forward, for the loss
 // sum(dO * O) (+ sum(dLSE * LSE) over the rows that attend something), on small f32 cases (a random sample of the elements of Q, K and V is perturbed).
 TEST(OracleBackward, MatchesFiniteDifferences) {
@@ -462,6 +483,34 @@ TEST(BackwardValidation, NamesTheArgumentAndWritesNothing) {
   EXPECT_EQ(r.argument([](P&, I& in, B&, G& g) { g.dk = in.k; }), "gradients.dk");  // aliases an input
   EXPECT_EQ(r.argument([](P&, I&, B&, G& g) { g.dv = g.dk; }), "gradients.dk");     // aliases another gradient
   EXPECT_EQ(r.argument([](P&, I& in, B&, G&) { in.q.shape[0] += 1; }), "q");          // the forward's own rules
+}
+
+// A GPU plan has no backward yet: refused on problem.device before anything is read. Skipped
+// where no GPU plan can be made (a CPU-only build, no device).
+TEST(BackwardValidation, GpuPlansAreRefused) {
+  CaseOptions options;
+  options.varlen = false;
+  options.custom_mask = false;
+  std::unique_ptr<BackwardCase> bc;
+  for (std::uint64_t seed = 24200000;; ++seed) {
+    bc = make_backward_case(seed, options);
+    const bsattn::Problem& p = bc->c->problem;
+    if (p.dtype == DType::bf16 && (p.head_dim == 64 || p.head_dim == 128)) break;
+  }
+  bsattn::Problem p = bc->c->problem;
+  p.device = bsattn::Device::cuda;
+  bsattn::Plan plan;
+  try {
+    plan.plan(p);
+  } catch (const bsattn::Error& e) {
+    GTEST_SKIP() << "no GPU plan here: " << e.what();
+  }
+  try {
+    plan.run_backward(bc->c->inputs, bc->backward, bc->gradients);
+    FAIL() << "a GPU backward was accepted";
+  } catch (const bsattn::Error& e) {
+    EXPECT_EQ(e.argument(), "problem.device") << e.what();
+  }
 }
 
 TEST(BackwardValidation, PagedKVIsRejected) {
