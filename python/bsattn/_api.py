@@ -228,15 +228,16 @@ def attention(q, k, v, sparsity=None, *, scale=None, mask=None, proxy=None, retu
     return _run(run, q, problem, inputs, return_lse, out, lse, stream)
 
 
-def backward_run(q, k, v, slots, options, out, lse, dout, dlse, dq, dk, dv, stream=None):
-    """Writes dq, dk, dv (like q, k, v) from the flattened call of the forward."""
+def backward_run(run, q, k, v, slots, options, out, lse, dout, dlse, dq, dk, dv, stream=None):
+    """Writes dq, dk, dv (like q, k, v) from the flattened call of the forward through
+    run(problem, inputs, backward, gradients, stream): a one-shot call or a cached plan's."""
     problem, inputs = _describe(q, k, v, slots, options)
     backward = {"out": _tensors.export(out), "lse": _tensors.export(lse), "dout": _tensors.export(dout),
                 "dlse": None if dlse is None else _tensors.export(dlse)}
     gradients = {"dq": _tensors.export(dq), "dk": _tensors.export(dk), "dv": _tensors.export(dv)}
     stream = _tensors.current_stream(q) if stream is None else stream
     with _tensors.device_guard(q):
-        _bsattn.attention_backward(problem, inputs, backward, gradients, stream)
+        run(problem, inputs, backward, gradients, stream)
 
 
 def attention_backward(q, k, v, out, lse, dout, sparsity=None, *, scale=None, mask=None, proxy=None,
@@ -259,7 +260,7 @@ def attention_backward(q, k, v, out, lse, dout, sparsity=None, *, scale=None, ma
         cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=block_table, seq_lens_kv=seq_lens_kv)
     dq, dk, dv = (_tensors.empty(t, _tensors.shape_of(t), _tensors.dtype_name(t)) if g is None else g
                   for t, g in ((q, dq), (k, dk), (v, dv)))
-    backward_run(q, k, v, slots, options, out, lse, dout, dlse, dq, dk, dv, stream)
+    backward_run(_bsattn.attention_backward, q, k, v, slots, options, out, lse, dout, dlse, dq, dk, dv, stream)
     return _tensors.finish(q, dq), _tensors.finish(k, dk), _tensors.finish(v, dv)
 
 

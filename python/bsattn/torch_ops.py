@@ -8,7 +8,8 @@ CUDA graphs, on the current torch stream.
   outputs (``attention(..., out=)``).
 * ``torch.ops.bsattn.attention_backward(q, k, v, slots, *options, out, lse, dout, dlse) -> (dq, dk, dv)``
   is the backward (CPU engine), registered as the autograd formula of ``attention``: when q, k
-  or v requires grad, `bsattn.attention` asks the op for the LSE the backward needs.
+  or v requires grad, `bsattn.attention` asks the op for the LSE the backward needs. It runs on
+  the forward's cached plan (the LSE request is not part of the problem, so the plan is shared).
 
 ``slots`` are the optional tensors of `bsattn._api.SLOT_NAMES` and ``options`` the primitives of
 `bsattn._api.OPTIONS`, in that order; `bsattn.attention` builds them from its arguments.
@@ -98,8 +99,14 @@ def _attention_fake(q, k, v, slots, *options):
 def _attention_backward(q, k, v, slots, *arguments):
     *options, out, lse, dout, dlse = arguments
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _api.backward_run(q, k, v, dict(zip(_api.SLOT_NAMES, slots)), dict(zip(_api.OPTION_NAMES, options)), out, lse,
-                      dout, dlse, dq, dk, dv, _tensors.current_stream(q))
+
+    def run(problem, inputs, backward, gradients, stream):  # on the forward's cached plan
+        plan, lock = _cached_plan(problem)
+        with lock:
+            plan.run_backward(inputs, backward, gradients, stream)
+
+    _api.backward_run(run, q, k, v, dict(zip(_api.SLOT_NAMES, slots)), dict(zip(_api.OPTION_NAMES, options)), out,
+                      lse, dout, dlse, dq, dk, dv, _tensors.current_stream(q))
     return dq, dk, dv
 
 

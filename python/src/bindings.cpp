@@ -269,6 +269,24 @@ void bind_call(Bound& bound, const nb::dict& inputs, const nb::dict& outputs) {
   }
 }
 
+struct BackwardCall {
+  bsattn::BackwardInputs backward;
+  bsattn::Gradients gradients;
+};
+
+// backward: "out" / "lse" / "dout" / "dlse" (None: not given); gradients: "dq" / "dk" / "dv".
+BackwardCall bind_backward(Bound& bound, const nb::dict& backward, const nb::dict& gradients) {
+  BackwardCall c;
+  c.backward.out = bound.input(backward["out"], "backward.out");
+  c.backward.lse = bound.input(backward["lse"], "backward.lse");
+  c.backward.dout = bound.input(backward["dout"], "backward.dout");
+  if (!backward["dlse"].is_none()) c.backward.dlse = bound.input(backward["dlse"], "backward.dlse");
+  c.gradients.dq = bound.output(gradients["dq"], "gradients.dq");
+  c.gradients.dk = bound.output(gradients["dk"], "gradients.dk");
+  c.gradients.dv = bound.output(gradients["dv"], "gradients.dv");
+  return c;
+}
+
 bsattn::Stream to_stream(std::uintptr_t stream) { return reinterpret_cast<bsattn::Stream>(stream); }
 
 // select_blocks() options from a dict built by python/bsattn/_select.py.
@@ -350,6 +368,17 @@ NB_MODULE(_bsattn, m) {
             plan.run(bound.inputs, bound.outputs, to_stream(stream));
           },
           "inputs"_a, "outputs"_a, "stream"_a = 0)
+      .def(
+          "run_backward",
+          [](bsattn::Plan& plan, const nb::dict& inputs, const nb::dict& backward, const nb::dict& gradients,
+             std::uintptr_t stream) {
+            Bound bound;
+            bind_call(bound, inputs, nb::dict());
+            const BackwardCall call = bind_backward(bound, backward, gradients);
+            nb::gil_scoped_release unlocked;
+            plan.run_backward(bound.inputs, call.backward, call.gradients, to_stream(stream));
+          },
+          "inputs"_a, "backward"_a, "gradients"_a, "stream"_a = 0)
       .def_prop_ro("planned", &bsattn::Plan::planned)
       .def_prop_ro("tiles", [](const bsattn::Plan& plan) { return tiles_dict(plan.tiles()); })
       .def_prop_ro("route_capacity", &bsattn::Plan::route_capacity)
@@ -366,7 +395,6 @@ NB_MODULE(_bsattn, m) {
       },
       "problem"_a, "inputs"_a, "outputs"_a, "stream"_a = 0);
 
-  // backward: "out" / "lse" / "dout" / "dlse" (None: not given) -> tensors; gradients: "dq" / "dk" / "dv".
   m.def(
       "attention_backward",
       [](const nb::dict& problem, const nb::dict& inputs, const nb::dict& backward, const nb::dict& gradients,
@@ -374,17 +402,9 @@ NB_MODULE(_bsattn, m) {
         const bsattn::Problem p = problem_from_dict(problem);
         Bound bound;
         bind_call(bound, inputs, nb::dict());
-        bsattn::BackwardInputs b;
-        b.out = bound.input(backward["out"], "backward.out");
-        b.lse = bound.input(backward["lse"], "backward.lse");
-        b.dout = bound.input(backward["dout"], "backward.dout");
-        if (!backward["dlse"].is_none()) b.dlse = bound.input(backward["dlse"], "backward.dlse");
-        bsattn::Gradients g;
-        g.dq = bound.output(gradients["dq"], "gradients.dq");
-        g.dk = bound.output(gradients["dk"], "gradients.dk");
-        g.dv = bound.output(gradients["dv"], "gradients.dv");
+        const BackwardCall call = bind_backward(bound, backward, gradients);
         nb::gil_scoped_release unlocked;
-        bsattn::attention_backward(p, bound.inputs, b, g, to_stream(stream));
+        bsattn::attention_backward(p, bound.inputs, call.backward, call.gradients, to_stream(stream));
       },
       "problem"_a, "inputs"_a, "backward"_a, "gradients"_a, "stream"_a = 0);
 
