@@ -66,8 +66,13 @@ __device__ void bitonic_sort_descending(std::uint64_t* keys, int n) {
           }
         }
       }
-      __syncthreads();
+      // Thread t owns elements t + 128 r, so a stage with j < 32 pairs elements of one warp: the
+      // CTA waits only around stages that pair across warps (the next stage is (k, j/2) or (2k, k)).
+      const int next = j > 1 ? j >> 1 : k;
+      if (j >= 32 || next >= 32) __syncthreads();
+      else __syncwarp();
     }
+  __syncthreads();
 }
 
 // Number of blocks of Q with varlen rows before sequence b (the row base of the varlen bitmask).
