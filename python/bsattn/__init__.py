@@ -11,6 +11,7 @@ its ``argument`` attribute names the offending argument.
 from . import adapters, sparsity
 from ._api import Plan, Summaries, attention, attention_backward, build_summaries, varlen_block_offsets
 from ._bsattn import BsattnError, built_with_cuda
+from ._merge import merge_state, merge_states
 from ._select import select_blocks
 from .adapters import from_block_mask, from_dense_block_mask, from_flash_attention, from_flashinfer_bsr
 from .mask import Mask
@@ -22,6 +23,7 @@ __all__ = [
     "AllBlocks", "BSR", "Bitmask", "BlockLists", "BsattnError", "Mask", "Plan", "Sparsity", "Summaries",
     "VarlenBlockLists", "adapters", "attention",
     "attention_backward", "build_summaries", "built_with_cuda", "from_block_mask",
-    "from_dense_block_mask", "from_flash_attention", "from_flashinfer_bsr", "select_blocks", "sparsity",
+    "from_dense_block_mask", "from_flash_attention", "from_flashinfer_bsr", "merge_state", "merge_states",
+    "select_blocks", "sparsity",
     "varlen_block_offsets",
 ]

@@ -449,4 +449,31 @@ NB_MODULE(_bsattn, m) {
         bsattn::select_blocks(p, bound.inputs, o, words, to_stream(stream));
       },
       "problem"_a, "inputs"_a, "options"_a, "bits"_a, "stream"_a = 0);
+
+  // merge_state: the parts (out_a, lse_a), (out_b, lse_b); merge_states: outs, lses stacked [N, ...].
+  // `lse` may be None (only O is written).
+  m.def(
+      "merge_state",
+      [](nb::handle out_a, nb::handle lse_a, nb::handle out_b, nb::handle lse_b, nb::handle out, nb::handle lse,
+         std::uintptr_t stream) {
+        Bound bound;
+        const bsattn::TensorView a = bound.input(out_a, "out_a"), la = bound.input(lse_a, "lse_a");
+        const bsattn::TensorView b = bound.input(out_b, "out_b"), lb = bound.input(lse_b, "lse_b");
+        const bsattn::TensorView o = bound.output(out, "out");
+        const bsattn::TensorView l = lse.is_none() ? bsattn::TensorView{} : bound.output(lse, "lse");
+        nb::gil_scoped_release unlocked;
+        bsattn::merge_state(a, la, b, lb, o, l, to_stream(stream));
+      },
+      "out_a"_a, "lse_a"_a, "out_b"_a, "lse_b"_a, "out"_a, "lse"_a.none(), "stream"_a = 0);
+  m.def(
+      "merge_states",
+      [](nb::handle outs, nb::handle lses, nb::handle out, nb::handle lse, std::uintptr_t stream) {
+        Bound bound;
+        const bsattn::TensorView os = bound.input(outs, "outs"), ls = bound.input(lses, "lses");
+        const bsattn::TensorView o = bound.output(out, "out");
+        const bsattn::TensorView l = lse.is_none() ? bsattn::TensorView{} : bound.output(lse, "lse");
+        nb::gil_scoped_release unlocked;
+        bsattn::merge_states(os, ls, o, l, to_stream(stream));
+      },
+      "outs"_a, "lses"_a, "out"_a, "lse"_a.none(), "stream"_a = 0);
 }
