@@ -162,4 +162,85 @@ int bsattn_bench_select(int batch, int seqlen, int hq, int hkv, int head_dim, in
   }
 }
 
+// merge_states of contiguous outs [N, B, S, H, D] (dtype 0 bf16, 1 f16, 2 f32) and lses
+// [N, B, H, S] f32 into out [B, S, H, D] and lse [B, H, S], launched on `stream`.
+// Returns 0, or -1 (bsattn_bench_error says why).
+int bsattn_bench_merge_states(int parts, int batch, int seqlen, int heads, int head_dim, int dtype, void* outs,
+                              void* lses, void* out, void* lse, void* stream) {
+  try {
+    const bsattn::DType dt = dtype == 2 ? bsattn::DType::f32 : dtype == 1 ? bsattn::DType::f16 : bsattn::DType::bf16;
+    bsattn::merge_states(view(outs, dt, {parts, batch, seqlen, heads, head_dim}),
+                         view(lses, bsattn::DType::f32, {parts, batch, heads, seqlen}),
+                         view(out, dt, {batch, seqlen, heads, head_dim}),
+                         view(lse, bsattn::DType::f32, {batch, heads, seqlen}), stream);
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
+// Dense attention (every block, built-in causal mask aligned bottom-right when `causal`) of
+// q [B, Sq, Hq, D] against K/V of Skv tokens per sequence: contiguous [B, Skv, Hkv, D], or, when
+// page_size > 0, a page cache [num_pages, page_size, Hkv, D] with block_table [B, pages_per_seq]
+// and seq_lens_kv [B] (chunked prefill against a paged cache). Returns null on error.
+void* bsattn_bench_plan_kv(int batch, int seqlen_q, int seqlen_kv, int hq, int hkv, int head_dim, int causal,
+                           int page_size, int pages_per_seq, int num_pages) {
+  try {
+    auto* b = new BenchPlan;
+    bsattn::Problem& p = b->problem;
+    p.batch = batch;
+    p.heads_q = hq;
+    p.heads_kv = hkv;
+    p.head_dim = head_dim;
+    p.max_seqlen_q = seqlen_q;
+    p.max_seqlen_kv = seqlen_kv;
+    p.dtype = p.out_dtype = bsattn::DType::bf16;
+    p.block = {128, 128};
+    p.format = bsattn::Format::all_blocks;
+    p.mask.causal = causal != 0;
+    if (page_size > 0) {
+      p.kv_layout = bsattn::KVLayout::paged;
+      p.page_size = page_size;
+      p.pages_per_seq = pages_per_seq;
+      p.num_pages = num_pages;
+    }
+    p.device = bsattn::Device::cuda;
+    p.validate = false;
+    b->plan.plan(p);
+    return b;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return nullptr;
+  }
+}
+
+// The run of a bsattn_bench_plan_kv plan (block_table and seq_lens_kv null when contiguous).
+int bsattn_bench_run_kv(void* handle, void* q, void* k, void* v, void* block_table, void* seq_lens_kv, void* out,
+                        void* stream) {
+  try {
+    auto* b = static_cast<BenchPlan*>(handle);
+    const bsattn::Problem& p = b->problem;
+    const std::int64_t B = p.batch, D = p.head_dim;
+    bsattn::Inputs in;
+    in.q = view(q, p.dtype, {B, p.max_seqlen_q, p.heads_q, D});
+    if (p.kv_layout == bsattn::KVLayout::paged) {
+      in.k = view(k, p.dtype, {p.num_pages, p.page_size, p.heads_kv, D});
+      in.v = view(v, p.dtype, {p.num_pages, p.page_size, p.heads_kv, D});
+      in.block_table = view(block_table, bsattn::DType::i32, {B, p.pages_per_seq});
+      in.seq_lens_kv = view(seq_lens_kv, bsattn::DType::i32, {B});
+    } else {
+      in.k = view(k, p.dtype, {B, p.max_seqlen_kv, p.heads_kv, D});
+      in.v = view(v, p.dtype, {B, p.max_seqlen_kv, p.heads_kv, D});
+    }
+    bsattn::Outputs o;
+    o.out = view(out, p.out_dtype, {B, p.max_seqlen_q, p.heads_q, D});
+    b->plan.run(in, o, stream);
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
 }  // extern "C"
