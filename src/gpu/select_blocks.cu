@@ -272,8 +272,13 @@ cudaError_t launch(const route::SelectParams& sp, cudaStream_t stream) {
   layout.chunks = route::ceil_div(kv_blocks, route::kSelectChunk);
   layout.words = sp.words;
   const std::size_t bytes = layout.bytes(sp.tensors.head_dim);
-  cudaError_t e = cudaFuncSetAttribute(select_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (e != cudaSuccess) return e;
+  // Above the default 48 KiB only (long KV sequences): typical shapes make no extra API call, and
+  // none that a graph capture could object to.
+  if (bytes > 48 * 1024) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(select_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (e != cudaSuccess) return e;
+  }
   const int groups_per_sequence = route::ceil_div(p.max_q_blocks, layout.rows);
   const int trailing = p.varlen_q ? route::ceil_div(sp.rows, layout.rows) : 0;
   const dim3 grid(p.batch * groups_per_sequence + trailing, sp.heads);
