@@ -3,10 +3,11 @@
 // copy bandwidth (4.21 TB/s on the H200) counted as bytes read + written. The LSEs add 4 bytes per
 // part and (row, head), 1.5 % of a bf16 row of D = 128, and neighbouring work items take
 // neighbouring tokens, so their LSE loads share sectors. Little's law at 4.2 TB/s and ~0.7 us of
-// DRAM latency wants ~22 KB in flight per SM: the LSEs and O packs of two parts are loaded
-// together (one latency per two parts, 32 bytes per thread on the 16-byte path) by 1024 resident
-// threads per SM. Large merges should so run at 85-95 % of the copy ceiling; small ones (a decode
-// step: B * H = 1024 items, under 1 MB) are bound by the launch and one or two DRAM latencies.
+// DRAM latency wants ~22 KB in flight per SM: the LSEs and O packs of two parts (eight when there
+// are more than two) are loaded together, 32 (128) bytes per thread on the 16-byte path, by 1024
+// (512) resident threads per SM. Large merges should so run at 85-95 % of the copy ceiling; small
+// ones (a decode step: B * H = 1024 items, a few MB) are bound by the launch and a DRAM latency
+// per eight parts.
 //
 // Work layout: a group of `lanes` threads (a power of two, at most a warp) per (row, head), each
 // lane moving packs of `kBytes` along D: 16 when every row start allows it, else 8, 4 or one
@@ -22,10 +23,12 @@ namespace bsattn::gpu {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kPartsInFlight = 2;
-// 4 x 256 threads per SM (at most 64 registers, which ptxas meets without spills) keep
-// 1024 x 2 x 16 = 32 KB of loads in flight.
-constexpr int kBlocksPerSm = 4;
+// Parts whose loads are in flight together: two for merge_state and large merges, where 4 blocks
+// of 256 threads per SM (at most 64 registers, met without spills) keep 1024 x 2 x 16 = 32 KB in
+// flight; eight when there are more parts, so that a decode step's merge of 16 splits waits for
+// two memory latencies rather than eight (2 blocks per SM then still keep 64 KB in flight).
+template <int kPartsInFlight>
+constexpr int kBlocksPerSm = kPartsInFlight <= 2 ? 4 : 2;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -64,8 +67,8 @@ __device__ __forceinline__ void divmod(std::int64_t n, std::int64_t d, std::int6
   }
 }
 
-template <class T, int kBytes>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+template <class T, int kBytes, int kPartsInFlight>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm<kPartsInFlight>)
     merge_states_kernel(const merge::MergeParams p, int lanes_log2) {
   constexpr int kElems = kBytes / static_cast<int>(sizeof(T));
   using Vec = Pack<T, kElems>;
@@ -159,12 +162,14 @@ cudaError_t launch(const merge::MergeParams& p, cudaStream_t stream) {
   const std::int64_t blocks = (p.items() + (kThreads >> lanes_log2) - 1) / (kThreads >> lanes_log2);
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(blocks));
+  const auto run = [&](auto kernel) { kernel<<<grid, kThreads, 0, stream>>>(p, lanes_log2); };
+  const bool many = p.parts > 2;
   switch (bytes) {
-    case 16: merge_states_kernel<T, 16><<<grid, kThreads, 0, stream>>>(p, lanes_log2); break;
-    case 8: merge_states_kernel<T, 8><<<grid, kThreads, 0, stream>>>(p, lanes_log2); break;
-    case 4: merge_states_kernel<T, 4><<<grid, kThreads, 0, stream>>>(p, lanes_log2); break;
+    case 16: many ? run(merge_states_kernel<T, 16, 8>) : run(merge_states_kernel<T, 16, 2>); break;
+    case 8: many ? run(merge_states_kernel<T, 8, 8>) : run(merge_states_kernel<T, 8, 2>); break;
+    case 4: many ? run(merge_states_kernel<T, 4, 8>) : run(merge_states_kernel<T, 4, 2>); break;
     default:
-      if constexpr (sizeof(T) == 2) merge_states_kernel<T, 2><<<grid, kThreads, 0, stream>>>(p, lanes_log2);
+      if constexpr (sizeof(T) == 2) many ? run(merge_states_kernel<T, 2, 8>) : run(merge_states_kernel<T, 2, 2>);
       break;
   }
   return cudaGetLastError();
