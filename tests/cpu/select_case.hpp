@@ -24,6 +24,8 @@ struct SelectCase {
   std::vector<int> seqlen_q, seqlen_kv;
   std::vector<std::int32_t> cu_q, cu_k;
   std::vector<std::uint8_t> q, k, v, k_summary, v_summary;
+  std::vector<std::int32_t> block_table, seq_lens_kv;  // paged (make_paged)
+  std::vector<float> cache;
   bsattn::Inputs inputs;
   std::vector<std::uint32_t> bits;
   std::int64_t bit_rows = 0;  // M (varlen) or nQB (batched)
@@ -206,6 +208,27 @@ inline void make_select_case(SelectCase& c, std::uint64_t seed, int policy = -1,
     c.bits.assign(static_cast<std::size_t>(p.batch * hs * c.bit_rows * c.words), SelectCase::kPoison);
     c.bits_view = TensorView::contiguous(c.bits.data(), DType::u32, {p.batch, hs, c.bit_rows, c.words});
   }
+}
+
+// Turns a batched case into batched Q over a paged KV cache of 16-token pages whose lengths
+// (seq_lens_kv) are drawn at random up to max_seqlen_kv; selection reads only the lengths.
+inline void make_paged(SelectCase& c, std::uint64_t seed) {
+  using namespace bsattn;
+  Problem& p = c.problem;
+  p.kv_layout = KVLayout::paged;
+  p.page_size = 16;
+  p.pages_per_seq = (p.max_seqlen_kv + 15) / 16;
+  p.num_pages = p.batch * p.pages_per_seq;
+  c.block_table.resize(static_cast<std::size_t>(p.num_pages));
+  for (std::size_t i = 0; i < c.block_table.size(); ++i) c.block_table[i] = static_cast<std::int32_t>(i);
+  std::mt19937_64 rng(seed);
+  c.seq_lens_kv.resize(p.batch);
+  for (int b = 0; b < p.batch; ++b)
+    c.seqlen_kv[b] = c.seq_lens_kv[b] = std::uniform_int_distribution<int>(0, p.max_seqlen_kv)(rng);
+  c.cache.assign(static_cast<std::size_t>(p.num_pages) * 16 * p.heads_kv * p.head_dim, 0.0f);
+  c.inputs.k = c.inputs.v = TensorView::contiguous(c.cache.data(), DType::f32, {p.num_pages, 16, p.heads_kv, p.head_dim});
+  c.inputs.block_table = TensorView::contiguous(c.block_table.data(), DType::i32, {p.batch, p.pages_per_seq});
+  c.inputs.seq_lens_kv = TensorView::contiguous(c.seq_lens_kv.data(), DType::i32, {p.batch});
 }
 
 }  // namespace bsattn_test

@@ -191,6 +191,21 @@ TEST(SelectReferenceSelfTest, CatchesAWrongBit) {
   EXPECT_GT(corrupted, 20);
 }
 
+// Paged KV: the lengths come from seq_lens_kv (the cache itself is not read); batched Q.
+TEST(SelectPagedTest, LengthsFromSeqLensKv) {
+  int checked = 0;
+  for (std::uint64_t seed = 7500000; checked < 12; ++seed) {
+    SelectCase c;
+    make_select_case(c, seed);
+    if (c.varlen()) continue;
+    make_paged(c, seed);
+    bsattn::select_blocks(c.problem, c.inputs, c.options, c.bits_view);
+    const std::string failure = check_selection(c);
+    EXPECT_TRUE(failure.empty()) << failure;
+    ++checked;
+  }
+}
+
 // attention() takes the bitmask as is; it gives the same bits as the block lists it encodes.
 class SelectAttentionTest : public ::testing::TestWithParam<int> {};
 
