@@ -202,7 +202,8 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
   p.validate = false;
   const int hs_choices[3] = {1, spec.hkv, spec.hq};
   p.sparsity_heads = spec.sparsity_heads > 0 ? spec.sparsity_heads : hs_choices[uni(0, 2)];
-  p.sparsity_batch = (!varlen && p.batch > 1 && chance(0.5)) ? p.batch : 1;
+  // Varlen rows of [Bs, Hs, nQB] block lists are per sequence (pattern_batch() is B).
+  p.sparsity_batch = (varlen && spec.format == Format::block_lists) || (!varlen && p.batch > 1 && chance(0.5)) ? p.batch : 1;
   p.has_partial = true;
   p.has_full = spec.format != Format::all_blocks && spec.full_set;
   p.q_layout = varlen ? QLayout::varlen : QLayout::batched;

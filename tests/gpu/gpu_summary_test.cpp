@@ -63,6 +63,7 @@ struct SummaryCase {
     std::int64_t n = 1;
     for (auto s : b->shape) n *= s;
     b->host.assign(static_cast<std::size_t>(n) * element_size(dt), kPoison);
+    b->upload();  // the device storage exists before device views are taken (values follow later)
     buffers.push_back(std::move(b));
     return buffers.back().get();
   }
