@@ -1,5 +1,6 @@
 // A tiny C interface over bsattn's GPU Plan for the Python benchmark driver (ctypes): the driver
 // owns every tensor (torch), so bsattn and its peers read the very same inputs.
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -236,6 +237,50 @@ int bsattn_bench_run_kv(void* handle, void* q, void* k, void* v, void* block_tab
     bsattn::Outputs o;
     o.out = view(out, p.out_dtype, {B, p.max_seqlen_q, p.heads_q, D});
     b->plan.run(in, o, stream);
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
+// Re-plans a bsattn_bench_plan / bsattn_bench_plan_kv plan with problem.validate set to `validate`
+// (value checks on every run). Returns 0, or -1 (bsattn_bench_error says why).
+int bsattn_bench_set_validate(void* handle, int validate) {
+  try {
+    auto* b = static_cast<BenchPlan*>(handle);
+    b->problem.validate = validate != 0;
+    b->plan.plan(b->problem);
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
+// Host time of Plan::run for a contiguous bsattn_bench_plan_kv plan: `iters` runs timed on the
+// host clock with no synchronisation between them (the caller's view: what one run() costs the
+// thread that issues it), then one Plan::check (a stream sync) after the clock stops. Writes
+// microseconds per run to *host_us; returns 0, or -1 (bsattn_bench_error says why).
+int bsattn_bench_host_time(void* handle, void* q, void* k, void* v, void* out, void* stream, int iters,
+                           double* host_us) {
+  try {
+    auto* b = static_cast<BenchPlan*>(handle);
+    const bsattn::Problem& p = b->problem;
+    const std::int64_t B = p.batch, D = p.head_dim;
+    bsattn::Inputs in;
+    in.q = view(q, p.dtype, {B, p.max_seqlen_q, p.heads_q, D});
+    in.k = view(k, p.dtype, {B, p.max_seqlen_kv, p.heads_kv, D});
+    in.v = view(v, p.dtype, {B, p.max_seqlen_kv, p.heads_kv, D});
+    bsattn::Outputs o;
+    o.out = view(out, p.out_dtype, {B, p.max_seqlen_q, p.heads_q, D});
+    b->plan.run(in, o, stream);  // warm: first-run work (driver entry points, tensor maps) off the clock
+    b->plan.check(stream);
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) b->plan.run(in, o, stream);
+    const auto stop = std::chrono::steady_clock::now();
+    b->plan.check(stream);
+    *host_us = std::chrono::duration<double, std::micro>(stop - start).count() / iters;
     return 0;
   } catch (const std::exception& e) {
     g_error = e.what();
