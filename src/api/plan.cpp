@@ -164,6 +164,9 @@ void Plan::plan(const Problem& problem) {
       throw Error("problem.out_dtype", std::string(to_string(problem.out_dtype)) + ": expected f16, bf16 or f32");
     if (problem.proxy != Proxy::off)
       throw Error("problem.proxy", "proxy routes are not implemented on the GPU yet; use Device::cpu");
+    if (problem.kv_layout == KVLayout::paged && problem.page_size % 16 != 0)
+      throw Error("problem.page_size", std::to_string(problem.page_size) +
+                                           ": the GPU kernels take pages of a multiple of 16 tokens; use Device::cpu");
     const ElementType et = problem.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16;
     if (gpu::forward_kernel_block_n(et, problem.head_dim, next->tiles.tile_m, next->tiles.tile_n) == 0)
       throw Error("problem.head_dim", "no GPU kernel in this build for " + std::string(to_string(problem.dtype)) +

@@ -154,5 +154,19 @@ TEST(GpuPaged, EveryFormatAndPageSize) {
     }
 }
 
+TEST(GpuPaged, PagesOfAMultipleOf16Tokens) {
+  REQUIRE_SM90();
+  CaseSpec spec;
+  auto c = make_case(spec);
+  std::mt19937_64 rng(3);
+  page_kv(*c, 24, rng);
+  try {
+    Plan plan(c->problem);
+    FAIL() << "a page of 24 tokens was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "problem.page_size");
+  }
+}
+
 }  // namespace
 }  // namespace bsattn_gpu_test

@@ -23,9 +23,9 @@ struct PipelineBarriers {
 constexpr int kLoaderThreads = 96;
 
 // cp.async loader: kLoaderThreads threads copy one K or V tile (16 bytes each per step), then
-// each thread arrives on the stage's full barrier when its own copies have landed. `row(kv)`
-// addresses token kv of the sequence (a page lookup for paged KV); it is called for the tile's
-// valid tokens only, so a block table is never read past the sequence's pages.
+// each thread arrives on the stage's full barrier when its own copies have landed. `row(kv,
+// valid)` is the address of token kv of the sequence (the tensor's base when not valid); every
+// lane of a loader warp calls it in every step (the paged form shuffles within the warp).
 template <class T, bool kIsV, class RowAddress>
 __device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, const RowAddress& row, int k0, int n_valid,
                                              int stage, int ptid) {
@@ -38,13 +38,40 @@ __device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, cons
 #pragma unroll 2
   for (int n0 = 0; n0 < T::kBlockN; n0 += kRowsPerStep) {
     const int n = n0 + ptid / kChunks;
-    if (T::kBlockN % kRowsPerStep != 0 && n >= T::kBlockN) break;
-    const bool valid = n < n_valid;
-    const typename T::Element* src = valid ? row(k0 + n) + d : row.base();
-    if constexpr (kIsV) cp_async_16(&sVt(d, n, stage), src, valid);
-    else cp_async_16(&sK(n, d, stage), src, valid);
+    const bool in_tile = T::kBlockN % kRowsPerStep == 0 || n < T::kBlockN;
+    const bool valid = in_tile && n < n_valid;
+    const typename T::Element* src = row(k0 + n, valid) + d;
+    if (in_tile) {
+      if constexpr (kIsV) cp_async_16(&sVt(d, n, stage), src, valid);
+      else cp_async_16(&sK(n, d, stage), src, valid);
+    }
   }
 }
+
+// Token rows of one K or V head of a contiguous (batched or varlen) tensor.
+template <class Element>
+struct ContiguousRows {
+  const Element* head;  // token 0 of the sequence, this KV head
+  std::int64_t token_stride;
+  __device__ __forceinline__ const Element* operator()(int kv, bool valid) const {
+    return valid ? head + kv * token_stride : head;
+  }
+};
+
+// Token rows of one K or V head of a page cache. Lane L of the loader warp holds the page id of
+// the tile's page first_page + L (one block-table read per lane and route, only for the
+// sequence's live pages); a row takes its page from that lane. Pages of at least 16 tokens
+// (plan() checks) keep a tile within 32 pages.
+template <class Element>
+struct PagedRows {
+  const Element* head;  // page 0, token 0, this KV head
+  std::int64_t page_stride, token_stride;
+  int page_size, first_page, lane_page;
+  __device__ __forceinline__ const Element* operator()(int kv, bool valid) const {
+    const int page = __shfl_sync(0xffffffffu, lane_page, (kv / page_size - first_page) & 31);
+    return valid ? head + page * page_stride + (kv % page_size) * token_stride : head;
+  }
+};
 
 // Bulk tensor (TMA) maps of Q, K, V and O as 4-D tensors (D, tokens, heads, batch). `tma` 0: the
 // producer falls back to cp.async (per-token addressing); `tma_out` 0: no map of O (a 4-byte
@@ -138,35 +165,46 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
       load(st.v, &desc.v, bars.full_v, bars.empty_v, stage, phase, token);
     }
   } else {
-    // Token kv of this tile's sequence and KV head in K or V: one multiply-add when contiguous,
-    // a block-table lookup when paged.
-    struct RowAddress {
-      const Element* tensor;
-      const AttentionParams& a;
-      const Tile& tile;
-      std::int64_t batch_stride, token_stride, head_stride;
-      __device__ __forceinline__ const Element* base() const { return tensor; }
-      __device__ __forceinline__ const Element* operator()(int kv) const {
-        return tensor + a.kv_offset(tile.b, tile.si, kv, tile.hkv, batch_stride, token_stride, head_stride);
-      }
-    };
-    const RowAddress k_row{static_cast<const Element*>(a.k), a, tile, a.k_batch_stride, a.k_token_stride,
-                           a.k_head_stride};
-    const RowAddress v_row{static_cast<const Element*>(a.v), a, tile, a.v_batch_stride, a.v_token_stride,
-                           a.v_head_stride};
     // One operand of a route into `stage`; each thread arrives once its own copies have landed.
-    const auto load = [&](auto is_v, const RowAddress& row, std::uint64_t* full, std::uint64_t* empty, int stage,
+    const auto load = [&](auto is_v, const auto& rows, std::uint64_t* full, std::uint64_t* empty, int stage,
                           int phase, int k0, int n_valid) {
       Barrier::wait(&empty[stage], phase ^ 1);
-      produce_tile<T, decltype(is_v)::value>(st, row, k0, n_valid, stage, ptid);
+      produce_tile<T, decltype(is_v)::value>(st, rows, k0, n_valid, stage, ptid);
       cp_async_arrive_noinc(&full[stage]);
     };
+    const Element* k = static_cast<const Element*>(a.k);
+    const Element* v = static_cast<const Element*>(a.v);
+    if (p.paged) {
+      const int live_pages = (tile.si.seqlen_kv + a.page_size - 1) / a.page_size;
+      const std::int32_t* table = a.block_table + tile.b * a.block_table_stride;
+      const int lane = ptid % 32;
+      for (int i = 0; i < tile.count; ++i) {
+        const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
+        const int k0 = tile.routes[i].index * p.tile_n;
+        const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
+        const int first_page = k0 / a.page_size;
+        const int lane_page = first_page + lane < live_pages ? table[first_page + lane] : 0;
+        load(std::false_type{},
+             PagedRows<Element>{k + hkv * a.k_head_stride, a.k_batch_stride, a.k_token_stride, a.page_size, first_page,
+                                lane_page},
+             bars.full_k, bars.empty_k, stage, phase, k0, n_valid);
+        load(std::true_type{},
+             PagedRows<Element>{v + hkv * a.v_head_stride, a.v_batch_stride, a.v_token_stride, a.page_size, first_page,
+                                lane_page},
+             bars.full_v, bars.empty_v, stage, phase, k0, n_valid);
+      }
+      return;
+    }
+    const ContiguousRows<Element> k_rows{
+        k + a.kv_offset(tile.b, tile.si, 0, hkv, a.k_batch_stride, a.k_token_stride, a.k_head_stride), a.k_token_stride};
+    const ContiguousRows<Element> v_rows{
+        v + a.kv_offset(tile.b, tile.si, 0, hkv, a.v_batch_stride, a.v_token_stride, a.v_head_stride), a.v_token_stride};
     for (int i = 0; i < tile.count; ++i) {
       const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
       const int k0 = tile.routes[i].index * p.tile_n;
       const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
-      load(std::false_type{}, k_row, bars.full_k, bars.empty_k, stage, phase, k0, n_valid);
-      load(std::true_type{}, v_row, bars.full_v, bars.empty_v, stage, phase, k0, n_valid);
+      load(std::false_type{}, k_rows, bars.full_k, bars.empty_k, stage, phase, k0, n_valid);
+      load(std::true_type{}, v_rows, bars.full_v, bars.empty_v, stage, phase, k0, n_valid);
     }
   }
 }
@@ -229,8 +267,9 @@ __device__ __forceinline__ void load_q(const Tile& tile, int parity, bool tma, c
 }
 
 // Encodes the Q, K, V and O tensor maps for this run (host only: no stream work, capturable).
-// Returns false where TMA cannot address Q, K or V (paged KV, strides or bases not 16-byte
-// aligned, no driver entry point); the kernel then loads with cp.async. Sets maps.tma_out.
+// Returns false where TMA cannot address Q, or contiguous K or V (strides or bases not 16-byte
+// aligned, no driver entry point); the kernel then loads with cp.async. Paged K/V gets no map and
+// always takes the cp.async loader (the kernel's tma_kv). Sets maps.tma_out.
 template <class T>
 bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDescriptors& maps) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -244,7 +283,7 @@ bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDe
       return nullptr;
     return reinterpret_cast<Encode>(fn);
   }();
-  if (!encode || a.route.paged) return false;
+  if (!encode) return false;
   const std::int64_t e = sizeof(typename T::Element);
   // A 4-D map (D, tokens, heads, batch; varlen: one batch of all tokens) with boxes of 64 x rows.
   const auto one = [&](const void* base, std::int64_t bs, std::int64_t ts, std::int64_t hs, bool varlen,
@@ -266,12 +305,14 @@ bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDe
   const int kv_rows = T::kPairMulticast ? T::kBlockN / 2 : T::kBlockN;
   maps.tma_out = a.out_type != ElementType::f32 && one(a.out, a.out_batch_stride, a.out_token_stride,
                                                        a.out_head_stride, p.varlen_q, extents.q, p.heads_q, 64, maps.o);
+  // Paged K/V has no map (the cp.async loader reads it page by page); Q still loads by TMA.
   return one(a.q, a.q_batch_stride, a.q_token_stride, a.q_head_stride, p.varlen_q, extents.q, p.heads_q, 64,
              maps.q) &&
-         one(a.k, a.k_batch_stride, a.k_token_stride, a.k_head_stride, p.varlen_kv, extents.kv, p.heads_kv, kv_rows,
-             maps.k) &&
-         one(a.v, a.v_batch_stride, a.v_token_stride, a.v_head_stride, p.varlen_kv, extents.kv, p.heads_kv, kv_rows,
-             maps.v);
+         (p.paged ||
+          (one(a.k, a.k_batch_stride, a.k_token_stride, a.k_head_stride, p.varlen_kv, extents.kv, p.heads_kv, kv_rows,
+               maps.k) &&
+           one(a.v, a.v_batch_stride, a.v_token_stride, a.v_head_stride, p.varlen_kv, extents.kv, p.heads_kv, kv_rows,
+               maps.v)));
 }
 
 }  // namespace bsattn::gpu::fwd
