@@ -97,8 +97,6 @@ def video_tokens(spec):
     """(q, k, v): float64 [1, S, H, D] video-like tokens (module docstring)."""
     rng = np.random.default_rng(spec.seed)
     coords = _grid_coordinates(spec.grid)
-    if spec.tile is not None:
-        coords = coords[_tile_order(spec.grid, spec.tile)]
     # The content sits at (h, w - motion * t): the same object in every frame, drifting along w.
     content_coords = np.stack([coords[:, 1], coords[:, 2] - spec.motion * coords[:, 0]], axis=1)
     s, d = spec.seqlen, spec.head_dim
@@ -111,7 +109,11 @@ def video_tokens(spec):
         q[0, :, h] = spec.logit_scale * (shared + spec.noise * rng.standard_normal((s, d)))
         k[0, :, h] = shared + spec.noise * rng.standard_normal((s, d))
         v[0, :, h] = _smooth_field(rng, coords, spec.correlation, d) + spec.value_noise * rng.standard_normal((s, d))
-    return q, k, v
+    if spec.tile is None:
+        return q, k, v
+    # The same tokens in another order: only the layout of the blocks changes.
+    order = _tile_order(spec.grid, spec.tile)
+    return q[:, order], k[:, order], v[:, order]
 
 
 # ---- Arrays of either framework: NumPy (CPU) or PyTorch (CUDA) -----------------------------
