@@ -2,7 +2,8 @@
 """Paged KV against contiguous KV on the GPU (issue 12): the same K/V, once as [B, Skv, Hkv, D]
 and once scattered over the pages of a cache [num_pages, page_size, Hkv, D] through a shuffled
 block table, attended by bsattn's forward kernel (dense blocks, causal mask aligned bottom-right).
-Every paged result is first checked against the contiguous one; times are the median of >= 20
+Decode shapes run through the same (prefill) kernel until the decode kernel exists. Every paged
+result is first checked against the contiguous one; times are the median of >= 20
 CUDA-event timings after warm-up. bf16, Hq 32 / Hkv 8, D 128.
 
   python3 bench/gpu/bench_paged.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--out paged.md]
@@ -90,10 +91,13 @@ def run(batch, sq, skv, page_size, q, k, v, out, gen):
 
 def main():
     gen = torch.Generator().manual_seed(0)
-    shapes = [("prefill B=1 S=8192 causal", 1, 8192, 8192), ("chunked prefill B=4 Sq=2048 Skv=32768", 4, 2048, 32768),
-              ("chunked prefill B=1 Sq=512 Skv=32768", 1, 512, 32768)]
-    rows = ["| shape | KV layout | ms | effective TFLOP/s | paged / contiguous time | max abs diff vs contiguous |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    shapes = [("prefill B=1 S=8192 causal", 1, 8192, 8192), ("prefill B=1 S=8191 causal (a tail)", 1, 8191, 8191),
+              ("chunked prefill B=4 Sq=2048 Skv=32768", 4, 2048, 32768),
+              ("chunked prefill B=1 Sq=512 Skv=32768", 1, 512, 32768),
+              ("decode B=32 Sq=1 Skv=32768 (prefill kernel)", 32, 1, 32768),
+              ("decode B=32 Sq=4 Skv=8191 (prefill kernel)", 32, 4, 8191)]
+    rows = ["| shape | KV layout | ms | effective TFLOP/s | K+V TB/s | paged / contiguous time | max abs diff vs contiguous |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, batch, sq, skv in shapes:
         torch.manual_seed(1)
         q = torch.randn(batch, sq, HQ, D, dtype=torch.bfloat16, device="cuda")
@@ -102,14 +106,17 @@ def main():
         out = torch.empty_like(q)
         pairs = batch * sum(min(skv, qi + skv - sq + 1) for qi in range(sq))
         flops = 4.0 * D * pairs * HQ
+        kv_bytes = 2 * k.numel() * k.element_size()
         base_ms, base = run(batch, sq, skv, 0, q, k, v, out, gen)
-        rows.append(f"| {name} | contiguous | {base_ms:.3f} | {flops / base_ms / 1e9:.0f} | 1.000 | — |")
+        rows.append(f"| {name} | contiguous | {base_ms:.3f} | {flops / base_ms / 1e9:.0f} | "
+                    f"{kv_bytes / base_ms / 1e9:.2f} | 1.000 | — |")
         print(rows[-1], flush=True)
         for ps in (16, 64, 256):
             ms, res = run(batch, sq, skv, ps, q, k, v, out, gen)
             diff = (res.float() - base.float()).abs().max().item()
             ok = diff <= 1e-2 and torch.isfinite(res).all().item()
-            rows.append(f"| {name} | paged, pages of {ps} | {ms:.3f} | {flops / ms / 1e9:.0f} | {ms / base_ms:.3f} | "
+            rows.append(f"| {name} | paged, pages of {ps} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
+                        f"{kv_bytes / ms / 1e9:.2f} | {ms / base_ms:.3f} | "
                         f"{diff:.1e}{'' if ok else ' MISMATCH'} |")
             print(rows[-1], flush=True)
     if ARGS.out:

@@ -292,6 +292,7 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   extents.q = inputs.q.shape[p.varlen_q ? 0 : 1];
   const int tdim = p.varlen_kv ? 0 : 1;
   extents.kv = std::min(inputs.k.shape[tdim], inputs.v.shape[tdim]);
+  if (p.paged) extents.kv_pages = std::min(inputs.k.shape[0], inputs.v.shape[0]);
   cuda_check(gpu::run_forward(a, extents, ws.overflow, s), "forward kernel launch");
 }
 

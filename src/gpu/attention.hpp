@@ -8,9 +8,10 @@
 namespace bsattn::gpu {
 
 // Rows of Q and of K/V along the token dimension (Sq / Skv extents batched, total_q / total_kv
-// varlen): the bounds of the kernel's bulk tensor copies.
+// varlen, the page size paged) and the pages of a paged cache: the bounds of the kernel's bulk
+// tensor copies.
 struct TokenExtents {
-  std::int64_t q = 0, kv = 0;
+  std::int64_t q = 0, kv = 0, kv_pages = 0;
 };
 
 // KV tile width of the kernel that serves a route tile_n (the smallest compiled width >= tile_n),

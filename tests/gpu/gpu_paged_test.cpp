@@ -123,16 +123,17 @@ TEST(GpuPaged, EveryFormatAndPageSize) {
   std::mt19937_64 rng(11);
   std::uint64_t seed = 1200;
   for (const PagedSweep& s : sweeps)
-    for (int rep = 0; rep < 2; ++rep) {
+    for (int rep = 0; rep < 3; ++rep) {  // bf16 D 128; f16 D 64 blocks of 64; bf16 D 256
       CaseSpec spec;
       spec.format = s.format;
       spec.varlen = s.varlen;
       spec.seed = seed++;
       spec.mask = std::uniform_int_distribution<int>(0, 4)(rng);
       if (spec.mask == 4) spec.mask = 5;  // document ids of a paged cache are [B, C * page_size]: not drawn here
-      spec.dtype = rep ? DType::f16 : DType::bf16;
-      spec.head_dim = rep ? 64 : 128;
-      if (rep) spec.bq = spec.bk = 64;
+      spec.dtype = rep == 1 ? DType::f16 : DType::bf16;
+      spec.head_dim = rep == 0 ? 128 : rep == 1 ? 64 : 256;
+      if (rep == 1) spec.bq = spec.bk = 64;
+      if (rep == 2) spec.bk = 64;  // the D = 256 kernels take KV tiles of 64
       auto c = make_case(spec);
       page_kv(*c, s.page_size, rng);
       SCOPED_TRACE(c->name + " page " + std::to_string(s.page_size));

@@ -84,15 +84,14 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   const auto leave = [&]() {
     if constexpr (kPair) cluster_sync_threads();
   };
-  const bool tma = desc.tma;                    // Q by TMA (else cp.async: BSATTN_GPU_NO_TMA)
-  const bool tma_kv = tma && !a.route.paged;   // K/V by TMA (else the cp.async loader, page by page)
+  const bool tma = desc.tma;  // Q, K and V by TMA (else cp.async: BSATTN_GPU_NO_TMA)
   const int tid = threadIdx.x;
   const int role = __shfl_sync(0xffffffffu, tid / 128, 0);  // 0: producer; 1..: consumer warpgroups
   if (tid == 0) {
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&bars.full_k[s], tma_kv ? 1 : kLoaderThreads);
-      Barrier::init(&bars.full_v[s], tma_kv ? 1 : kLoaderThreads);
+      Barrier::init(&bars.full_k[s], tma ? 1 : kLoaderThreads);
+      Barrier::init(&bars.full_v[s], tma ? 1 : kLoaderThreads);
       Barrier::init(&bars.empty_k[s], C::kConsumerWarps * (kPair ? 2 : 1));  // both CTAs' consumers
       Barrier::init(&bars.empty_v[s], C::kConsumerWarps * (kPair ? 2 : 1));
     }
@@ -115,7 +114,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   // barriers (not mbarriers): compute-sanitizer's racecheck sees the ordering.
   // Named barrier ids: 0 __syncthreads; 1, 2 the consumer warpgroups; 3, 4 ping-pong.
   constexpr int kTileFull = 5, kTileEmpty = 7, kEpilogueSync = 9;
-  const int handoff_threads = T::kThreads + 32 + (tma_kv ? 32 : kLoaderThreads);
+  const int handoff_threads = T::kThreads + 32 + (tma ? 32 : kLoaderThreads);
   // Reader side of tile t: null when there is no more work (then nothing is released).
   auto take_tile = [&](int t) -> const Tile* {
     barrier_sync(kTileFull + (t & 1), handoff_threads);
@@ -162,21 +161,22 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       leave();
       return;
     }
-    // The loader. With TMA one thread issues the bulk tensor copies; the others exit rather than
-    // wait in leave() (a live lane that skips the tile-handoff bar.arrive would stall it).
-    if (tma_kv ? tid != 0 : tid >= kLoaderThreads) return;
+    // The loader. With TMA one thread issues the bulk tensor copies (a paged cache: one warp, a
+    // box per lane); the others exit rather than wait in leave() (a live lane that skips the
+    // tile-handoff bar.arrive would stall it).
+    if (tid >= (!tma ? kLoaderThreads : a.route.paged ? 32 : 1)) return;
     const auto stream = [&](auto slot_index) -> bool {
       constexpr int s = decltype(slot_index)::value;
       barrier_sync(kTileFull + s, handoff_threads);
       const Tile& slot = sm.tile[s];
       if (slot.row < 0) return false;
-      load_tile_routes<T>(slot, tma_kv, a, desc, st, bars, tid);
+      load_tile_routes<T>(slot, tma, a, desc, st, bars, tid);
       barrier_arrive(kTileEmpty + s, handoff_threads);
       return true;
     };
     while (stream(Int<0>{}) && stream(Int<1>{})) {
     }
-    if (!tma_kv) cp_async_wait<0>();
+    if (!tma) cp_async_wait<0>();
     leave();
     return;
   }

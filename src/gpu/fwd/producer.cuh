@@ -22,26 +22,26 @@ struct PipelineBarriers {
 // Threads of the cp.async K/V loader (producer warps 0-2; warp 3 is the tile warp).
 constexpr int kLoaderThreads = 96;
 
-// cp.async loader: kLoaderThreads threads copy one K or V tile (16 bytes each per step), then
-// each thread arrives on the stage's full barrier when its own copies have landed. `row(kv,
-// valid)` is the address of token kv of the sequence (the tensor's base when not valid); every
-// lane of a loader warp calls it in every step (the paged form shuffles within the warp).
-template <class T, bool kIsV, class RowAddress>
-__device__ __forceinline__ void produce_tile(typename T::SharedStorage& st, const RowAddress& row, int k0, int n_valid,
-                                             int stage, int ptid) {
+// cp.async copy of rows [n_begin, n_end) of one K or V tile by kThreads threads (16 bytes each
+// per step), rows at or past n_valid zero-filled. `row(kv, valid)` is the address of token kv of
+// the sequence (the tensor's base when not valid); every lane of a warp calls it in every step
+// (the paged form shuffles within the warp). The caller arrives on the stage's barrier.
+template <class T, bool kIsV, int kThreads, class RowAddress>
+__device__ __forceinline__ void produce_rows(typename T::SharedStorage& st, const RowAddress& row, int k0, int n_begin,
+                                             int n_end, int n_valid, int stage, int ptid) {
   constexpr int kChunks = T::kHeadDim / 8;
-  constexpr int kRowsPerStep = kLoaderThreads / kChunks;
-  static_assert(kLoaderThreads % kChunks == 0, "whole rows per step");
+  constexpr int kRowsPerStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0, "whole rows per step");
   Tensor sK = make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(st.v), typename T::SmemLayoutVt{});
   const int d = (ptid % kChunks) * 8;
 #pragma unroll 2
-  for (int n0 = 0; n0 < T::kBlockN; n0 += kRowsPerStep) {
+  for (int n0 = n_begin; n0 < n_end; n0 += kRowsPerStep) {
     const int n = n0 + ptid / kChunks;
-    const bool in_tile = T::kBlockN % kRowsPerStep == 0 || n < T::kBlockN;
-    const bool valid = in_tile && n < n_valid;
+    const bool in_range = n < n_end;
+    const bool valid = in_range && n < n_valid;
     const typename T::Element* src = row(k0 + n, valid) + d;
-    if (in_tile) {
+    if (in_range) {
       if constexpr (kIsV) cp_async_16(&sVt(d, n, stage), src, valid);
       else cp_async_16(&sK(n, d, stage), src, valid);
     }
@@ -73,12 +73,15 @@ struct PagedRows {
   }
 };
 
-// Bulk tensor (TMA) maps of Q, K, V and O as 4-D tensors (D, tokens, heads, batch). `tma` 0: the
-// producer falls back to cp.async (per-token addressing); `tma_out` 0: no map of O (a 4-byte
-// output type, or one TMA cannot address), the epilogue copies with its threads.
+// Bulk tensor (TMA) maps of Q, K, V and O as 4-D tensors (D, tokens, heads, batch; a paged cache
+// as (D, tokens of a page, heads, pages)). `tma` 0: the producer falls back to cp.async
+// (per-token addressing); `tma_out` 0: no map of O (a 4-byte output type, or one TMA cannot
+// address), the epilogue copies with its threads. Paged: the K/V maps copy boxes of
+// `page_box_rows` tokens (each inside one page); `kv_pages` is the first page id past the cache.
 struct LaunchDescriptors {
   CUtensorMap q, k, v, o;
   int tma, tma_out;
+  int page_box_rows, kv_pages;
 };
 
 __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1,
@@ -110,6 +113,14 @@ __device__ __forceinline__ void arrive_expect_tx(std::uint64_t* bar, unsigned by
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(m), "r"(bytes) : "memory");
 }
 
+// Raises the stage's expected transaction bytes without arriving (the arrival comes later).
+__device__ __forceinline__ void expect_tx(std::uint64_t* bar, unsigned bytes) {
+  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(m), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 __device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(s) : "memory");
@@ -134,8 +145,67 @@ __device__ __forceinline__ void load_operand(typename T::Element* base, const CU
   }
 }
 
+// Paged K/V by TMA, run by the loader warp (ptid = lane). A tile is kBlockN / page_box_rows boxes,
+// each inside one page; lane g copies box g from the page the block table gives (lanes read their
+// entries in parallel). A box past the sequence end reads page kv_pages, past the cache: TMA fills
+// it with zeros. The box holding the sequence end is copied by the whole warp with cp.async,
+// zero-filled past the end: the cache's tokens there are anything, and a NaN in V would reach the
+// row through a zero P. Lane 0 expects the TMA bytes first and arrives once the warp's cp.async
+// copies have landed, so the stage completes when both have.
+template <class T>
+__device__ __forceinline__ void load_paged_routes(const Tile& tile, const AttentionParams& a,
+                                                  const LaunchDescriptors& desc, typename T::SharedStorage& st,
+                                                  PipelineBarriers<T::kStages, T::kWarpgroups>& bars, int lane) {
+  using Element = typename T::Element;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
+  const route::RouteParams& p = a.route;
+  const int box_rows = desc.page_box_rows, boxes = kBlockN / box_rows;
+  const int hkv = tile.hkv, page_size = a.page_size;
+  const std::int32_t* table = a.block_table + tile.b * a.block_table_stride;
+  const int r0 = lane * box_rows;  // this lane's box
+  const auto load = [&](auto is_v, Element* tiles, const CUtensorMap* map, const Element* head,
+                        std::int64_t page_stride, std::int64_t token_stride, std::uint64_t* full, std::uint64_t* empty,
+                        int stage, int phase, int k0, int n_valid, int page, int tail_box) {
+    Barrier::wait(&empty[stage], phase ^ 1);
+    const unsigned tail_bytes = tail_box >= 0 ? box_rows * kHeadDim * sizeof(Element) : 0;
+    if (lane == 0) expect_tx(&full[stage], kBlockN * kHeadDim * sizeof(Element) - tail_bytes);
+    __syncwarp();
+    if (lane < boxes && lane != tail_box) {
+      const int token = (k0 + r0) % page_size;
+      CUTE_UNROLL
+      for (int c = 0; c < kHeadDim / 64; ++c)
+        tma_load_4d(tiles + (stage * kHeadDim + c * 64) * kBlockN + r0 * 64, map, &full[stage], c * 64, token, hkv,
+                    page);
+    }
+    if (tail_box >= 0) {
+      const int t0 = tail_box * box_rows, kv = k0 + t0;
+      const Element* rows = head + static_cast<std::int64_t>(table[kv / page_size]) * page_stride +
+                            (kv % page_size) * token_stride;
+      produce_rows<T, decltype(is_v)::value, 32>(st, ContiguousRows<Element>{rows, token_stride}, -t0, t0,
+                                                 t0 + box_rows, n_valid, stage, lane);
+      cp_async_wait_all();
+      __syncwarp();
+    }
+    if (lane == 0) Barrier::arrive(&full[stage]);
+  };
+  for (int i = 0; i < tile.count; ++i) {
+    const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
+    const int k0 = tile.routes[i].index * p.tile_n;
+    const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
+    const int rows = lane < boxes ? max(0, min(box_rows, n_valid - r0)) : 0;
+    const int page = rows == box_rows ? table[(k0 + r0) / page_size] : desc.kv_pages;
+    const int tail_box = __ffs(__ballot_sync(0xffffffffu, rows > 0 && rows < box_rows)) - 1;
+    load(std::false_type{}, st.k, &desc.k, static_cast<const Element*>(a.k) + hkv * a.k_head_stride,
+         a.k_batch_stride, a.k_token_stride, bars.full_k, bars.empty_k, stage, phase, k0, n_valid, page, tail_box);
+    load(std::true_type{}, st.v, &desc.v, static_cast<const Element*>(a.v) + hkv * a.v_head_stride,
+         a.v_batch_stride, a.v_token_stride, bars.full_v, bars.empty_v, stage, phase, k0, n_valid, page, tail_box);
+  }
+}
+
 // Streams the K and V tiles of one work tile's routes into the stages, from the tile's pipeline
-// position on. TMA: thread 0 alone; cp.async: the kLoaderThreads loader threads (ptid).
+// position on. TMA: thread 0 alone (paged: the loader warp); cp.async: the kLoaderThreads loader
+// threads (ptid).
 template <class T>
 __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, const AttentionParams& a,
                                                  const LaunchDescriptors& desc, typename T::SharedStorage& st,
@@ -145,7 +215,9 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
   constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
   const route::RouteParams& p = a.route;
   const int hkv = tile.hkv;
-  if (tma) {
+  if (tma && p.paged) {
+    load_paged_routes<T>(tile, a, desc, st, bars, ptid);
+  } else if (tma) {
     // Tokens past the tensor are zero-filled; tokens past the sequence but inside the tensor are
     // finite data that the route mask removes.
     const int tok0 = p.varlen_kv ? static_cast<int>(tile.si.kv_base) : 0;
@@ -169,7 +241,7 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
     const auto load = [&](auto is_v, const auto& rows, std::uint64_t* full, std::uint64_t* empty, int stage,
                           int phase, int k0, int n_valid) {
       Barrier::wait(&empty[stage], phase ^ 1);
-      produce_tile<T, decltype(is_v)::value>(st, rows, k0, n_valid, stage, ptid);
+      produce_rows<T, decltype(is_v)::value, kLoaderThreads>(st, rows, k0, 0, kBlockN, n_valid, stage, ptid);
       cp_async_arrive_noinc(&full[stage]);
     };
     const Element* k = static_cast<const Element*>(a.k);
@@ -267,9 +339,10 @@ __device__ __forceinline__ void load_q(const Tile& tile, int parity, bool tma, c
 }
 
 // Encodes the Q, K, V and O tensor maps for this run (host only: no stream work, capturable).
-// Returns false where TMA cannot address Q, or contiguous K or V (strides or bases not 16-byte
-// aligned, no driver entry point); the kernel then loads with cp.async. Paged K/V gets no map and
-// always takes the cp.async loader (the kernel's tma_kv). Sets maps.tma_out.
+// Returns false where TMA cannot address Q, K or V (strides or bases not 16-byte aligned, no
+// driver entry point); the kernel then loads with cp.async. Sets maps.tma_out and, for paged K/V,
+// the box rows (the largest of 128, 64, 32, 16 that divides the page size, the route tile width
+// and kBlockN, so a box never crosses a page) and the page count.
 template <class T>
 bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDescriptors& maps) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -285,11 +358,12 @@ bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDe
   }();
   if (!encode) return false;
   const std::int64_t e = sizeof(typename T::Element);
-  // A 4-D map (D, tokens, heads, batch; varlen: one batch of all tokens) with boxes of 64 x rows.
+  // A 4-D map (D, tokens, heads, batches; varlen: one batch of all tokens; paged: the pages) with
+  // boxes of 64 x rows.
   const auto one = [&](const void* base, std::int64_t bs, std::int64_t ts, std::int64_t hs, bool varlen,
-                       std::int64_t tokens, int heads, int rows, CUtensorMap& map) {
+                       std::int64_t tokens, int heads, std::int64_t batches, int rows, CUtensorMap& map) {
     cuuint64_t dims[4] = {static_cast<cuuint64_t>(T::kHeadDim), static_cast<cuuint64_t>(tokens),
-                          static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(varlen ? 1 : a.route.batch)};
+                          static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(varlen ? 1 : batches)};
     cuuint64_t strides[3] = {static_cast<cuuint64_t>(ts * e), static_cast<cuuint64_t>(hs * e),
                              static_cast<cuuint64_t>((varlen ? ts * tokens : bs) * e)};
     if (reinterpret_cast<std::uintptr_t>(base) % 16 || strides[0] % 16 || strides[1] % 16 || strides[2] % 16 ||
@@ -302,17 +376,27 @@ bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDe
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
   };
   const route::RouteParams& p = a.route;
-  const int kv_rows = T::kPairMulticast ? T::kBlockN / 2 : T::kBlockN;
+  int kv_rows = T::kPairMulticast ? T::kBlockN / 2 : T::kBlockN;
+  std::int64_t kv_batches = p.batch;
+  if (p.paged) {
+    kv_rows = 0;
+    for (int r : {128, 64, 32, 16})
+      if (!kv_rows && r <= T::kBlockN && T::kBlockN % r == 0 && a.page_size % r == 0 && p.tile_n % r == 0)
+        kv_rows = r;
+    if (!kv_rows || extents.kv_pages >= (std::int64_t(1) << 31)) return false;
+    kv_batches = extents.kv_pages;
+    maps.page_box_rows = kv_rows;
+    maps.kv_pages = static_cast<int>(extents.kv_pages);
+  }
   maps.tma_out = a.out_type != ElementType::f32 && one(a.out, a.out_batch_stride, a.out_token_stride,
-                                                       a.out_head_stride, p.varlen_q, extents.q, p.heads_q, 64, maps.o);
-  // Paged K/V has no map (the cp.async loader reads it page by page); Q still loads by TMA.
-  return one(a.q, a.q_batch_stride, a.q_token_stride, a.q_head_stride, p.varlen_q, extents.q, p.heads_q, 64,
+                                                       a.out_head_stride, p.varlen_q, extents.q, p.heads_q, p.batch,
+                                                       64, maps.o);
+  return one(a.q, a.q_batch_stride, a.q_token_stride, a.q_head_stride, p.varlen_q, extents.q, p.heads_q, p.batch, 64,
              maps.q) &&
-         (p.paged ||
-          (one(a.k, a.k_batch_stride, a.k_token_stride, a.k_head_stride, p.varlen_kv, extents.kv, p.heads_kv, kv_rows,
-               maps.k) &&
-           one(a.v, a.v_batch_stride, a.v_token_stride, a.v_head_stride, p.varlen_kv, extents.kv, p.heads_kv, kv_rows,
-               maps.v)));
+         one(a.k, a.k_batch_stride, a.k_token_stride, a.k_head_stride, p.varlen_kv, extents.kv, p.heads_kv,
+             kv_batches, kv_rows, maps.k) &&
+         one(a.v, a.v_batch_stride, a.v_token_stride, a.v_head_stride, p.varlen_kv, extents.kv, p.heads_kv,
+             kv_batches, kv_rows, maps.v);
 }
 
 }  // namespace bsattn::gpu::fwd
