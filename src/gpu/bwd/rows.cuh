@@ -1,0 +1,79 @@
+// Per-row work of the backward around the main kernel: preprocessing (delta = rowsum(dO * O) -
+// dLSE and LSE in log2 units, per query row and head, fp32) and the dQ conversion (fp32
+// accumulator * scale, rounded once into dq's dtype and layout). Both address Q-like tensors by
+// the packed token row: b * Sq + q batched, q_base + q varlen.
+#pragma once
+#include <cmath>
+
+#include "bsattn/backward_params.hpp"
+#include "gpu/bwd/elements.cuh"
+
+namespace bsattn::gpu::bwd {
+
+// (b, sequence-local q) of packed token row `row` of a Q-like tensor; q_base 0, as the offset
+// helpers add it for varlen.
+struct PackedRow {
+  int b, q;
+  route::SeqInfo si;
+};
+__device__ __forceinline__ PackedRow packed_row(const route::RouteParams& p, std::int64_t row) {
+  PackedRow r{};
+  if (p.varlen_q) {
+    r.b = 0;
+    r.q = static_cast<int>(row);
+  } else {
+    r.b = static_cast<int>(row / p.max_seqlen_q);
+    r.q = static_cast<int>(row % p.max_seqlen_q);
+  }
+  return r;
+}
+
+constexpr int kRowWarps = 8;
+
+// One warp per (packed row, head): delta[h][row] = rowsum(dO * O) - dLSE, lse_log2[h][row] =
+// LSE * log2(e), or +inf for a row that attended nothing (LSE = -inf), so that its P is 0.
+__global__ void __launch_bounds__(32 * kRowWarps)
+    preprocess_kernel(const BackwardParams g, std::int64_t q_rows, float* lse_log2, float* delta) {
+  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
+  const AttentionParams& a = g.fwd;
+  const int heads = a.route.heads_q;
+  if (item >= q_rows * heads) return;
+  const int h = static_cast<int>(item % heads);
+  const std::int64_t row = item / heads;
+  const PackedRow r = packed_row(a.route, row);
+  const std::int64_t o = a.out_offset(r.b, r.si, r.q, h), d_o = g.q_like_offset(g.dout_strides, r.b, r.si, r.q, h);
+  float sum = 0.0f;
+  for (int i = threadIdx.x % 32; i < a.head_dim; i += 32)
+    sum += load_element(a.out, o + i, a.out_type) * load_element(g.dout, d_o + i, a.out_type);
+#pragma unroll
+  for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+  if (threadIdx.x % 32 == 0) {
+    const float lse = a.lse[a.lse_offset(r.b, r.si, r.q, h)];
+    if (g.dlse) sum -= g.dlse[g.dlse_offset(r.b, r.si, r.q, h)];
+    delta[h * q_rows + row] = sum;
+    lse_log2[h * q_rows + row] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+  }
+}
+
+// dq = scale * accumulator, 8 elements of one (row, head) per thread (D % 8 == 0).
+__global__ void convert_dq_kernel(const BackwardParams g, std::int64_t q_rows, const float* dq_accum,
+                                  const int* overflow) {
+  if (*overflow != 0) return;
+  const AttentionParams& a = g.fwd;
+  const int d = a.head_dim, heads = a.route.heads_q;
+  const std::int64_t chunks = q_rows * heads * (d / 8);
+  for (std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks;
+       c += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t rh = c / (d / 8);  // row * heads + h
+    const int col = static_cast<int>(c % (d / 8)) * 8, h = static_cast<int>(rh % heads);
+    const PackedRow r = packed_row(a.route, rh / heads);
+    const std::int64_t dst = g.q_like_offset(g.dq_strides, r.b, r.si, r.q, h) + col;
+    const float4* src = reinterpret_cast<const float4*>(dq_accum + rh * d + col);
+    const float4 lo = src[0], hi = src[1];
+    const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) store_element(g.dq, dst + i, g.dq_type, x[i] * a.scale);
+  }
+}
+
+}  // namespace bsattn::gpu::bwd
