@@ -46,6 +46,8 @@ struct AttentionParams {
   // Route stream.
   const route::Route* routes = nullptr;
   const std::int32_t* route_counts = nullptr;
+  // GPU proxy kernels: proxy records per row (the last ones of the row; SPEC §6). Null elsewhere.
+  const std::int32_t* route_proxy_counts = nullptr;
   int route_rows = 0;
   // GPU work order: route rows, longest first, and the counter persistent CTAs claim work from
   // (zero before each launch). The CPU engine does not use them.

@@ -8,11 +8,19 @@ namespace bsattn::gpu {
 namespace {
 
 __global__ void prepare_routes_kernel(const route::RouteParams p, int rows, route::Route* routes,
-                                      std::int32_t* counts, std::int32_t* overflow) {
+                                      std::int32_t* counts, std::int32_t* proxy_counts, std::int32_t* overflow) {
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
   if (row >= rows) return;
-  const int needed = route::prepare_row(p, row, routes + static_cast<std::int64_t>(row) * p.capacity);
-  counts[row] = needed < p.capacity ? needed : p.capacity;
+  route::Route* out = routes + static_cast<std::int64_t>(row) * p.capacity;
+  const int needed = route::prepare_row(p, row, out);
+  const int count = needed < p.capacity ? needed : p.capacity;
+  counts[row] = count;
+  if (proxy_counts) {  // the proxy records close the row (prepare_row emits them last)
+    int proxies = 0;
+    while (proxies < count && out[count - 1 - proxies].kind == static_cast<std::uint8_t>(route::RouteKind::proxy))
+      ++proxies;
+    proxy_counts[row] = proxies;
+  }
   if (needed > p.capacity && atomicCAS(overflow, 0, row + 1) == 0) overflow[1] = needed;
 }
 
@@ -55,11 +63,11 @@ cudaError_t order_rows_longest_first(const std::int32_t* counts, int rows, std::
 }
 
 cudaError_t prepare_routes(const AttentionParams& a, route::Route* routes, std::int32_t* counts,
-                           std::int32_t* overflow, cudaStream_t stream) {
+                           std::int32_t* overflow, cudaStream_t stream, std::int32_t* proxy_counts) {
   if (a.route_rows == 0) return cudaSuccess;
   constexpr int kThreads = 128;
-  prepare_routes_kernel<<<(a.route_rows + kThreads - 1) / kThreads, kThreads, 0, stream>>>(a.route, a.route_rows,
-                                                                                          routes, counts, overflow);
+  prepare_routes_kernel<<<(a.route_rows + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      a.route, a.route_rows, routes, counts, proxy_counts, overflow);
   return cudaGetLastError();
 }
 

@@ -9,8 +9,10 @@ namespace bsattn::gpu {
 
 // Fills params.routes / params.route_counts (device pointers) for every route row. `overflow`
 // (device int[2]) receives {row + 1, needed} of the first overflowing row it meets, else stays 0.
+// `proxy_counts` ([rows], device, or null): the proxy records at the end of each row, for the
+// proxy kernels (AttentionParams::route_proxy_counts).
 cudaError_t prepare_routes(const AttentionParams& params, route::Route* routes, std::int32_t* counts,
-                           std::int32_t* overflow, cudaStream_t stream);
+                           std::int32_t* overflow, cudaStream_t stream, std::int32_t* proxy_counts = nullptr);
 
 // Writes the route rows into `order` ([rows], device) by descending route count: the work order
 // of the persistent attention kernel.

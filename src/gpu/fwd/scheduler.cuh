@@ -33,8 +33,10 @@ struct Tile {
   int hkv;    // its KV head
   int b;      // sequence
   int q0;     // first query row (sequence-local)
-  int count;  // routes to walk (0 for a tile past the sequence end)
+  int count;  // pipeline steps: exact routes, then proxy tiles (0 for a tile past the sequence end)
   int first;  // pipeline position of the first route: routes of this CTA's earlier tiles
+  int exact;  // exact routes (the proxy records follow them in the row)
+  int proxies;  // proxy records, gathered kBlockN to a pipeline step (proxy kernels; else 0)
   route::SeqInfo si;
   const route::Route* routes;
 };
@@ -54,9 +56,10 @@ __host__ __device__ __forceinline__ int warpgroup_head(const Tile& tile, int wg,
 // Written field by field into the shared slot `t` as each is known: built in registers first, the
 // whole tile stayed live in the 40-register producer and spilled. The item, the KV head and the
 // pipeline position are kept in the slot for the same reason (registers held across the
-// producer's tile loop spilled).
+// producer's tile loop spilled). `proxy_columns`: columns of a proxy step (the kernel's kBlockN),
+// 0 in a kernel without proxy compensation.
 __device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, int heads_per_tile, int first,
-                                            Tile& t) {
+                                            Tile& t, int proxy_columns = 0) {
   const route::RouteParams& p = a.route;
   const int group = p.heads_q / p.sparsity_heads;
   const int per_row = group / heads_per_tile;
@@ -73,7 +76,11 @@ __device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, 
   t.q0 = q0;
   const route::SeqInfo si = route::seq_info(p, rc.b);
   t.si = si;
-  t.count = q0 < si.seqlen_q ? a.route_counts[row] : 0;
+  const int records = q0 < si.seqlen_q ? a.route_counts[row] : 0;
+  const int proxies = proxy_columns > 0 && records > 0 ? a.route_proxy_counts[row] : 0;
+  t.exact = records - proxies;
+  t.proxies = proxies;
+  t.count = records - proxies + (proxy_columns > 0 ? (proxies + proxy_columns - 1) / proxy_columns : 0);
   t.first = first;
 }
 

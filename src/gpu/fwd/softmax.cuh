@@ -17,6 +17,11 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
+// Row-sum weight of every column 1 (token columns): the plain softmax.
+struct UnitColumnWeight {
+  static constexpr bool kUnit = true;
+};
+
 template <int kRows>
 struct OnlineSoftmax {
   float row_max[kRows];
@@ -32,9 +37,11 @@ struct OnlineSoftmax {
   }
 
   // Turns the scores S (rowcol view) into unnormalised probabilities and returns, per row, the
-  // factor by which the output accumulator must be rescaled.
-  template <class TS>
-  __device__ __forceinline__ void step(TS& s, float (&rescale)[kRows]) {
+  // factor by which the output accumulator must be rescaled. `weight(j)` is the row-sum weight of
+  // fragment column j: 1 for a token; n_j for a proxy column (SPEC §6), whose V row is a sum of
+  // n_j tokens' V, so P stays p for the PV GEMM and only the denominator counts n_j.
+  template <class TS, class ColumnWeight = UnitColumnWeight>
+  __device__ __forceinline__ void step(TS& s, float (&rescale)[kRows], const ColumnWeight& weight = {}) {
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
       float mx = row_max[i];
@@ -50,7 +57,8 @@ struct OnlineSoftmax {
       for (int j = 0; j < size<1>(s); ++j) {
         const float p = exp2_ftz(s(i, j) * scale_log2 - offset);
         s(i, j) = p;
-        sum += p;
+        if constexpr (ColumnWeight::kUnit) sum += p;
+        else sum = fmaf(p, weight(j), sum);
       }
       row_sum[i] = row_sum[i] * rescale[i] + sum;
     }
