@@ -31,7 +31,7 @@ import numpy as np
 
 from . import _api, _select
 from ._bsattn import BsattnError
-from .sparsity import Bitmask
+from .sparsity import Bitmask, _block_size
 
 GOAL_DENSITY = 0.175  # issue 11: with proxy, at most half the error of selection alone here
 GOAL_RATIO = 0.5
@@ -345,7 +345,7 @@ def measure(spec=VideoTokens(), *, densities=DEFAULT_DENSITIES, block_size=(64, 
             local=0, dtype="f32", device="cpu", repeats=3):
     """Runs the sweep and returns a `Report` (one `Row` per density, in the given order)."""
     engine = _Engine(device, dtype)
-    bq, bk = block_size
+    block_size = bq, bk = _block_size(block_size)
     notes = []
     q, k, v = (engine.tensor(x) for x in video_tokens(spec))
     reference = dense_reference(*(engine.reference_input(x) for x in (q, k, v)), block_size)
