@@ -189,7 +189,7 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
     }
     if (lane == 0) Barrier::arrive(&full[stage]);
   };
-  for (int i = 0; i < tile.count; ++i) {
+  for (int i = 0; i < tile.exact; ++i) {
     const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
     const int k0 = tile.routes[i].index * p.tile_n;
     const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
@@ -203,9 +203,9 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
   }
 }
 
-// Streams the K and V tiles of one work tile's routes into the stages, from the tile's pipeline
-// position on. TMA: thread 0 alone (paged: the loader warp); cp.async: the kLoaderThreads loader
-// threads (ptid).
+// Streams the K and V tiles of one work tile's exact routes into the stages, from the tile's
+// pipeline position on (its proxy steps follow: proxy.cuh). TMA: thread 0 alone (paged: the
+// loader warp); cp.async: the kLoaderThreads loader threads (ptid).
 template <class T>
 __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, const AttentionParams& a,
                                                  const LaunchDescriptors& desc, typename T::SharedStorage& st,
@@ -230,7 +230,7 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
       arrive_expect_tx(&full[stage], kBytes);  // the whole tile (with pair multicast both halves land here)
       load_operand<T>(tiles, map, &full[stage], stage, token, hkv, bc);
     };
-    for (int i = 0; i < tile.count; ++i) {
+    for (int i = 0; i < tile.exact; ++i) {
       const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
       const int token = tok0 + tile.routes[i].index * p.tile_n;
       load(st.k, &desc.k, bars.full_k, bars.empty_k, stage, phase, token);
@@ -250,7 +250,7 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
       const int live_pages = (tile.si.seqlen_kv + a.page_size - 1) / a.page_size;
       const std::int32_t* table = a.block_table + tile.b * a.block_table_stride;
       const int lane = ptid % 32;
-      for (int i = 0; i < tile.count; ++i) {
+      for (int i = 0; i < tile.exact; ++i) {
         const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
         const int k0 = tile.routes[i].index * p.tile_n;
         const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
@@ -271,7 +271,7 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
         k + a.kv_offset(tile.b, tile.si, 0, hkv, a.k_batch_stride, a.k_token_stride, a.k_head_stride), a.k_token_stride};
     const ContiguousRows<Element> v_rows{
         v + a.kv_offset(tile.b, tile.si, 0, hkv, a.v_batch_stride, a.v_token_stride, a.v_head_stride), a.v_token_stride};
-    for (int i = 0; i < tile.count; ++i) {
+    for (int i = 0; i < tile.exact; ++i) {
       const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
       const int k0 = tile.routes[i].index * p.tile_n;
       const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
