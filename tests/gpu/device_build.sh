@@ -4,7 +4,8 @@
 # GoogleTest arrive as archives made on a machine that has them:
 #   tar czf DIR/cutlass.tgz -C "$(python3 -c 'import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))')/source/include" cute cutlass
 #   (gtest.tgz: include/gtest and lib/libgtest{,_main}.a)
-# usage: tests/gpu/device_build.sh DIR [BUILD]   (BUILD defaults to build-gpu)
+# usage: tests/gpu/device_build.sh DIR [BUILD]   (BUILD defaults to build-gpu; BSATTN_CMAKE_ARGS adds
+# configure options, e.g. -DBSATTN_GPU_DTYPES=bf16 -DBSATTN_GPU_HEAD_DIMS=128 for a quick benchmark build)
 set -euo pipefail
 dir=$(cd "$1" && pwd)
 build=${2:-build-gpu}
@@ -13,7 +14,7 @@ mkdir -p "$deps/cutlass" "$deps/gtest"
 tar xzf "$dir/cutlass.tgz" -C "$deps/cutlass"
 tar xzf "$dir/gtest.tgz" -C "$deps/gtest"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBSATTN_ENABLE_CUDA=ON -DBSATTN_BUILD_TOOLS=OFF \
-  -DCUTLASS_INCLUDE_DIR="$deps/cutlass" -DGTEST_ROOT="$deps/gtest" >"$build.configure.log" 2>&1 ||
+  -DCUTLASS_INCLUDE_DIR="$deps/cutlass" -DGTEST_ROOT="$deps/gtest" ${BSATTN_CMAKE_ARGS:-} >"$build.configure.log" 2>&1 ||
   { cat "$build.configure.log"; exit 1; }
 cmake --build "$build" -j "$(nproc)" --target bsattn_gpu_test bsattn_bench > "$build.log" 2>&1 || { grep -E "error|Error" "$build.log" | head -40; exit 1; }
 grep -E "spill stores|spill loads" "$build.log" | grep -v " 0 bytes spill" | sort | uniq -c | head || true
