@@ -7,6 +7,8 @@ The PyTorch custom op (torch_ops.py) carries exactly the slots and options throu
 dispatcher, so eager, torch.compile and NumPy calls share one description.
 """
 
+import threading
+
 from . import _bsattn, _tensors
 from .mask import NO_MASK, Mask
 from .sparsity import AllBlocks, Sparsity
@@ -36,6 +38,9 @@ OPTIONS = (
 OPTION_NAMES = tuple(name for name, _ in OPTIONS)
 
 
+_ALL_BLOCKS = AllBlocks()  # sparsity=None
+
+
 class Summaries(tuple):
     """``(k_summary, v_summary)`` ``[B, nKB, Hkv, D]`` for proxy compensation (SPEC §6); what
     `build_summaries` returns and ``attention(..., proxy=)`` takes."""
@@ -55,7 +60,7 @@ class Summaries(tuple):
 def _flatten(sparsity, mask, proxy, *, scale, out_dtype, return_lse, validate, num_threads, max_seqlen_q,
              max_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, seq_lens_kv):
     """(slots, options): every tensor by slot name (None where absent) and the primitive options."""
-    sparsity = AllBlocks() if sparsity is None else sparsity
+    sparsity = _ALL_BLOCKS if sparsity is None else sparsity
     if not isinstance(sparsity, Sparsity):
         raise _tensors.fail("sparsity", "expected a bsattn sparsity object (see bsattn.adapters), "
                             f"got {type(sparsity).__name__}")
@@ -219,10 +224,13 @@ def attention(q, k, v, sparsity=None, *, scale=None, mask=None, proxy=None, retu
         sparsity, mask, proxy, scale=scale, out_dtype=out_dtype, return_lse=return_lse, validate=validate,
         num_threads=num_threads, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=block_table, seq_lens_kv=seq_lens_kv)
-    if _tensors.is_torch(q) and stream is None:
+    if _tensors.is_torch(q):
         from . import torch_ops
 
-        return torch_ops.attention(q, k, v, slots, options, out, lse)
+        if torch_ops.direct_call_allowed(q, k, v):
+            return torch_ops.direct_attention(q, k, v, slots, options, out, lse, stream)
+        if stream is None:
+            return torch_ops.attention(q, k, v, slots, options, out, lse)
     problem, inputs = _describe(q, k, v, slots, options)
     run = lambda inputs, outputs, stream: _bsattn.attention(problem, inputs, outputs, stream)  # noqa: E731
     return _run(run, q, problem, inputs, return_lse, out, lse, stream)
@@ -298,6 +306,8 @@ class Plan:
         self._plan = _bsattn.Plan()
         with _tensors.device_guard(q):
             self._plan.plan(self._problem)
+        self._lock = threading.Lock()  # the plan's workspace serves one call at a time
+        self._calls = {}  # eager PyTorch calls: signature -> tensor layout (torch_ops.direct_attention)
 
     @property
     def problem(self):
@@ -317,15 +327,27 @@ class Plan:
         return self._plan.workspace_bytes
 
     def __call__(self, q, k, v, sparsity=None, *, out=None, lse=None, stream=None, **kwargs):
-        arguments = dict(self._arguments, **kwargs)
+        arguments = dict(self._arguments, **kwargs) if kwargs else self._arguments
         if sparsity is not None:
-            arguments["sparsity"] = sparsity
-        problem, inputs = _describe(q, k, v, *_flatten_call(arguments))
+            arguments = dict(arguments, sparsity=sparsity)
+        slots, options = _flatten_call(arguments)
+        if _tensors.is_torch(q):
+            from . import torch_ops
+
+            if torch_ops.direct_call_allowed(q, k, v):
+                return torch_ops.direct_attention(q, k, v, slots, options, out, lse, stream, self._calls,
+                                                  self._planned)
+        problem, inputs = _describe(q, k, v, slots, options)
+        self._planned(problem)
+        return _run(self._plan.run, q, problem, inputs, arguments.get("return_lse", False), out, lse, stream)
+
+    def _planned(self, problem):
+        """(plan, lock) for a call describing `problem`, which must be the planned one."""
         for field, value in problem.items():
             if self._problem.get(field) != value:
                 raise _tensors.fail(f"problem.{field}", f"{value!r} differs from the planned "
                                     f"{self._problem.get(field)!r}; make a new Plan for another problem")
-        return _run(self._plan.run, q, problem, inputs, arguments.get("return_lse", False), out, lse, stream)
+        return self._plan, self._lock
 
     run = __call__
 

@@ -148,6 +148,101 @@ def _attention_out_fake(q, k, v, slots, *arguments):
     return None
 
 
+def direct_call_allowed(q, k, v):
+    """Whether an eager call may skip the dispatcher: plain tensors, no autograd, no tracing
+    (torch.compile, make_fx, export) and no torch function / dispatch mode that would expect to
+    see the op."""
+    return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0)
+
+
+class _Call:
+    """What a repeated eager call of one signature needs: the plan (shared with the op path), its
+    lock, the C++ tensor layout (data pointers are all that change) and the outputs to allocate."""
+
+    __slots__ = ("plan", "lock", "layout", "slot_names", "out_shape", "out_dtype", "lse_shape", "stream_device")
+
+
+_MAX_CALLS = 64
+_calls = {}  # call signature -> _Call
+atexit.register(_calls.clear)
+
+
+def _signature(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _call_key(q, k, v, slots, options, out, lse):
+    """Everything a call's problem and tensor layout follow from: the shapes, strides, dtypes and
+    devices of its tensors (by slot name), and its options. Data pointers are not part of it."""
+    return (_signature(q), _signature(k), _signature(v), _signature(out), _signature(lse),
+            *[(name, t.shape, t.stride(), t.dtype, t.device) for name, t in slots.items() if t is not None],
+            *options.values())
+
+
+def _new_call(q, k, v, slots, options, out, lse, plan_of):
+    """A _Call for this signature, its plan from plan_of(problem); raises BsattnError for a call the
+    library rejects, before anything is written."""
+    for name, t in (("k", k), ("v", v), *slots.items()):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise _tensors.fail(name, f"is a {type(t).__name__}; with a PyTorch q, pass PyTorch tensors")
+    problem, inputs = _api._describe(q, k, v, slots, options)
+    call = _Call()
+    call.slot_names = tuple(name for name in _api.SLOT_NAMES if slots[name] is not None)
+    out_shape, lse_shape = _api.output_shapes(q, problem["q_layout"] == "varlen",
+                                              options["return_lse"] or lse is not None)
+    call.out_shape, call.out_dtype, call.lse_shape = out_shape, _TORCH_DTYPES[problem["out_dtype"]], lse_shape
+    call.stream_device = q.device.index if q.device.type == "cuda" else None
+    # The layout is bound from tensors of exactly the signature's shapes, strides and dtypes.
+    out = q.new_empty(out_shape, dtype=call.out_dtype) if out is None else out
+    lse = q.new_empty(lse_shape, dtype=torch.float32) if lse is None and lse_shape is not None else lse
+    call.layout = _bsattn.CallLayout(inputs, {"out": _tensors.export(out),
+                                              "lse": None if lse is None else _tensors.export(lse)})
+    with _tensors.device_guard(q):
+        call.plan, call.lock = plan_of(problem)
+    return call
+
+
+def direct_attention(q, k, v, slots, options, out, lse, stream, calls=_calls, plan_of=_cached_plan):
+    """`bsattn.attention` for an eager call that direct_call_allowed: the call's signature (shapes,
+    strides, dtypes and devices of every tensor, and the options) finds its plan and C++ tensor
+    layout in `calls`, and the extension receives only data pointers (no DLPack capsules, no
+    problem dict). The first call of a signature takes the full path (every check of `_describe`,
+    the plan from plan_of(problem) -> (plan, lock)); every call is still checked in C++
+    (structure, alignment, overlap; values with validate=True)."""
+    try:
+        key = _call_key(q, k, v, slots, options, out, lse)
+        call = calls.get(key)
+    except (AttributeError, TypeError):  # not a PyTorch tensor somewhere: _new_call names it
+        key, call = None, None
+    if call is None:
+        call = _new_call(q, k, v, slots, options, out, lse, plan_of)
+        if len(calls) >= _MAX_CALLS:
+            calls.clear()
+        if key is not None:
+            calls[key] = call
+    given = [t for t in (out, lse) if t is not None]
+    if out is None:
+        out = torch.empty(call.out_shape, dtype=call.out_dtype, device=q.device)
+    if lse is None and call.lse_shape is not None:
+        lse = torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
+    pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr()]
+    for name in call.slot_names:
+        pointers.append(slots[name].data_ptr())
+    pointers.append(out.data_ptr())
+    if lse is not None:
+        pointers.append(lse.data_ptr())
+    if stream is None:
+        stream = 0 if call.stream_device is None else torch._C._cuda_getCurrentRawStream(call.stream_device)
+    with call.lock:
+        call.layout.run(call.plan, pointers, stream)
+    for t in given:  # written in place outside the dispatcher: tell autograd, as the op's (a!) would
+        torch.autograd.graph.increment_version(t)
+    return (out, lse) if options["return_lse"] else out
+
+
 def attention(q, k, v, slots, options, out, lse):
     """`bsattn.attention` for PyTorch tensors: the flattened call through the custom ops."""
     for name, t in (("k", k), ("v", v), *slots.items()):

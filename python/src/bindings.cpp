@@ -161,6 +161,15 @@ bsattn::DType reinterpreted(const std::string& type, const nb::dlpack::dtype& t,
   return dtype;
 }
 
+bsattn::Stream to_stream(std::uintptr_t stream) { return reinterpret_cast<bsattn::Stream>(stream); }
+
+// A zero-size tensor is still an argument that was given (an empty BSR, an empty varlen batch),
+// but producers may hand it over with a null pointer. Nothing is read through it.
+void set_data(bsattn::TensorView& t, const void* data) {
+  static char empty_tensor_address;
+  t.data = data == nullptr && t.numel() == 0 ? &empty_tensor_address : const_cast<void*>(data);
+}
+
 // Everything one call reads or writes. The arrays keep their producers alive while the GIL is
 // released.
 struct Bound {
@@ -201,12 +210,7 @@ struct Bound {
       t.shape[i] = static_cast<std::int64_t>(a.shape(i));
       t.stride[i] = a.stride(i);
     }
-    t.data = const_cast<void*>(static_cast<const void*>(a.data()));
-    // A zero-size tensor is still an argument that was given (an empty BSR, an empty varlen
-    // batch), but DLPack producers may hand it over with a null pointer. Nothing is read
-    // through it.
-    static char empty_tensor_address;
-    if (t.data == nullptr && t.numel() == 0) t.data = &empty_tensor_address;
+    set_data(t, a.data());
     keep.push_back(std::move(a));
     return t;
   }
@@ -269,6 +273,45 @@ void bind_call(Bound& bound, const nb::dict& inputs, const nb::dict& outputs) {
   }
 }
 
+// The tensor layout of one call signature (shapes, strides, dtypes, devices), bound once from
+// DLPack; later calls of the same signature (python/bsattn/torch_ops.py caches one per signature)
+// give only the data pointers, so a repeated call makes no DLPack capsule and reads no dict.
+// Pointers come in the order of the non-None entries of the constructor's dicts, inputs first.
+// run() rewrites the stored views: callers serialise it, as they must the plan it runs.
+class CallLayout {
+ public:
+  CallLayout(const nb::dict& inputs, const nb::dict& outputs) {
+    Bound bound;
+    bind_call(bound, inputs, outputs);
+    inputs_ = bound.inputs;
+    outputs_ = bound.outputs;
+    for (auto [key, value] : inputs)
+      if (!value.is_none()) views_.push_back(&input_slots().at(nb::cast<std::string>(key))(inputs_));
+    for (auto [key, value] : outputs)
+      if (!value.is_none()) views_.push_back(nb::cast<std::string>(key) == "out" ? &outputs_.out : &outputs_.lse);
+  }
+  CallLayout(const CallLayout&) = delete;
+  CallLayout& operator=(const CallLayout&) = delete;
+
+  void run(bsattn::Plan& plan, const nb::list& pointers, std::uintptr_t stream) {
+    if (pointers.size() != views_.size())
+      throw Error("pointers", std::to_string(pointers.size()) + " data pointers for a layout of " +
+                                  std::to_string(views_.size()) + " tensors");
+    for (std::size_t i = 0; i < views_.size(); ++i) {
+      void* data = PyLong_AsVoidPtr(pointers[i].ptr());
+      if (data == nullptr && PyErr_Occurred()) throw nb::python_error();
+      set_data(*views_[i], data);
+    }
+    nb::gil_scoped_release unlocked;
+    plan.run(inputs_, outputs_, to_stream(stream));
+  }
+
+ private:
+  bsattn::Inputs inputs_;
+  bsattn::Outputs outputs_;
+  std::vector<bsattn::TensorView*> views_;
+};
+
 struct BackwardCall {
   bsattn::BackwardInputs backward;
   bsattn::Gradients gradients;
@@ -286,8 +329,6 @@ BackwardCall bind_backward(Bound& bound, const nb::dict& backward, const nb::dic
   c.gradients.dv = bound.output(gradients["dv"], "gradients.dv");
   return c;
 }
-
-bsattn::Stream to_stream(std::uintptr_t stream) { return reinterpret_cast<bsattn::Stream>(stream); }
 
 // select_blocks() options from a dict built by python/bsattn/_select.py.
 bsattn::SelectOptions select_options_from_dict(const nb::dict& values) {
@@ -383,6 +424,10 @@ NB_MODULE(_bsattn, m) {
       .def_prop_ro("tiles", [](const bsattn::Plan& plan) { return tiles_dict(plan.tiles()); })
       .def_prop_ro("route_capacity", &bsattn::Plan::route_capacity)
       .def_prop_ro("workspace_bytes", &bsattn::Plan::workspace_bytes);
+
+  nb::class_<CallLayout>(m, "CallLayout")
+      .def(nb::init<const nb::dict&, const nb::dict&>(), "inputs"_a, "outputs"_a)
+      .def("run", &CallLayout::run, "plan"_a, "pointers"_a, "stream"_a = 0);
 
   m.def(
       "attention",
