@@ -104,6 +104,9 @@ struct Problem {
   int num_threads = 0;  // CPU engine; 0: hardware concurrency
   // Value checks (indices, counts, cu_*, page ids). Structural checks always run.
   bool validate = true;
+  // GPU backward: dQ contributions are added in a fixed order, so repeated runs are bit-identical
+  // (slower: CTAs wait for each other's turn). The CPU engine is always deterministic.
+  bool deterministic = false;
 };
 
 // One set of blocks (partial, full or proxy) in the problem's format. Only the fields of that

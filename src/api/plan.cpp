@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include "gpu/attention.hpp"
+#include "gpu/backward.hpp"
 #include "gpu/device_guard.hpp"
 #include "gpu/prepare_routes.hpp"
 #endif
@@ -66,6 +67,10 @@ struct DeviceWorkspace {
   std::int32_t* cu_total_m_blocks = nullptr;
   std::int32_t* cu_block_idx_offsets = nullptr;
   route::Route* routes = nullptr;
+  // The backward's storage (gpu/backward.hpp), after the routes; empty when `backward_refused`
+  // says why this problem has no GPU backward.
+  gpu::BackwardWorkspace backward;
+  std::string backward_refused_field, backward_refused;
 
   DeviceWorkspace() = default;
   DeviceWorkspace(const DeviceWorkspace&) = delete;
@@ -80,7 +85,7 @@ struct DeviceWorkspace {
     }
   }
 
-  void allocate(int dev, std::int64_t rows, int capacity, int batch) {
+  void allocate(int dev, std::int64_t rows, int capacity, int batch, const gpu::BackwardGeometry* backward_geometry) {
     device = dev;
     const auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
     const std::size_t off_counts = 256;
@@ -88,7 +93,8 @@ struct DeviceWorkspace {
     const std::size_t off_cu_m = off_order + align(static_cast<std::size_t>(rows) * sizeof(std::int32_t));
     const std::size_t off_cu_idx = off_cu_m + align((batch + 1) * sizeof(std::int32_t));
     const std::size_t off_routes = off_cu_idx + align((batch + 1) * sizeof(std::int32_t));
-    bytes = off_routes + static_cast<std::size_t>(rows) * capacity * sizeof(route::Route);
+    const std::size_t off_backward = align(off_routes + static_cast<std::size_t>(rows) * capacity * sizeof(route::Route));
+    bytes = off_backward + (backward_geometry ? gpu::BackwardWorkspace::bytes(*backward_geometry) : 0);
     DeviceGuard guard(dev);
     cuda_check(cudaMalloc(&base, bytes), "cudaMalloc (plan workspace)");
     char* p = static_cast<char*>(base);
@@ -99,9 +105,42 @@ struct DeviceWorkspace {
     cu_total_m_blocks = reinterpret_cast<std::int32_t*>(p + off_cu_m);
     cu_block_idx_offsets = reinterpret_cast<std::int32_t*>(p + off_cu_idx);
     routes = reinterpret_cast<route::Route*>(p + off_routes);
+    if (backward_geometry) backward.carve(p + off_backward, *backward_geometry);
     cuda_check(cudaMemset(overflow, 0, kFlagBytes), "cudaMemset (plan workspace)");
   }
 };
+
+// The GPU backward's workspace for a problem, or the reason (field, message) it has none. Proxy
+// routes and paged KV have no backward on any device (validate_backward says so).
+static bool gpu_backward_geometry(const Problem& pb, const TileShape& tiles, const route::RouteParams& geo,
+                                  gpu::BackwardGeometry& out, std::string& field, std::string& why) {
+  const ElementType et = pb.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16;
+  if (pb.proxy != Proxy::off || pb.kv_layout == KVLayout::paged) {
+    field = pb.proxy != Proxy::off ? "problem.proxy" : "problem.kv_layout";
+    why = "the backward takes neither proxy routes nor paged KV";
+    return false;
+  }
+  if (pb.out_dtype != pb.dtype) {
+    field = "problem.out_dtype";
+    why = std::string(to_string(pb.out_dtype)) + ": the GPU backward reads O and dO in the input dtype (" +
+          to_string(pb.dtype) + "); plan with out_dtype = dtype or use Device::cpu";
+    return false;
+  }
+  if (gpu::backward_kernel_block_n(et, pb.head_dim, tiles.tile_n) == 0) {
+    field = "problem.head_dim";
+    why = "no GPU backward kernel in this build for " + std::string(to_string(pb.dtype)) + ", head_dim " +
+          std::to_string(pb.head_dim) + ", tile_n " + std::to_string(tiles.tile_n);
+    return false;
+  }
+  const std::int64_t kv_tiles = route::ceil_div(geo.max_seqlen_kv, geo.tile_n);
+  out.q_rows = pb.q_layout == QLayout::varlen ? pb.total_q : static_cast<std::int64_t>(pb.batch) * pb.max_seqlen_q;
+  out.heads_q = pb.heads_q;
+  out.head_dim = pb.head_dim;
+  out.columns = static_cast<std::int64_t>(pb.batch) * geo.sparsity_heads * kv_tiles;
+  out.column_capacity = geo.max_q_tiles;
+  out.semaphores = static_cast<std::int64_t>(pb.batch) * pb.heads_q * geo.max_q_tiles;
+  return true;
+}
 #else
 struct DeviceWorkspace {};
 #endif
@@ -123,6 +162,9 @@ struct Plan::Impl {
                     Plan::CpuBackwardEngine engine, const void* context);
   cpu::Workspace cpu_workspace();
   void run_gpu(const Inputs& inputs, const Outputs& outputs, Stream stream);
+  void prepare_gpu_routes(AttentionParams& a, Stream stream);
+  void run_backward_gpu(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
+                        Stream stream);
   void check_gpu(Stream stream);
 };
 
@@ -189,12 +231,20 @@ void Plan::plan(const Problem& problem) {
       throw Error("max_routes_per_row", "route workspace of " + std::to_string(rows * next->capacity) +
                                             " records exceeds the int32 range");
     next->device = std::make_unique<DeviceWorkspace>();
-    next->device->allocate(problem.device_index, rows, next->capacity, problem.batch);
+    // The backward's workspace (its fp32 dQ accumulator is 4 bytes per element of Q) is sized and
+    // allocated here with the forward's, so run_backward() allocates nothing.
+    gpu::BackwardGeometry backward;
+    DeviceWorkspace& ws = *next->device;
+    const bool has_backward =
+        gpu_backward_geometry(problem, next->tiles, geo, backward, ws.backward_refused_field, ws.backward_refused);
+    ws.allocate(problem.device_index, rows, next->capacity, problem.batch, has_backward ? &backward : nullptr);
     {
       DeviceGuard guard(problem.device_index);
-      cuda_check(gpu::configure_forward(problem.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16,
-                                        problem.head_dim, next->tiles.tile_m, next->tiles.tile_n),
+      const ElementType et = problem.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16;
+      cuda_check(gpu::configure_forward(et, problem.head_dim, next->tiles.tile_m, next->tiles.tile_n),
                  "configure forward kernel");
+      if (has_backward)
+        cuda_check(gpu::configure_backward(et, problem.head_dim, next->tiles.tile_n), "configure backward kernel");
     }
     impl_ = std::move(next);
     return;
@@ -252,7 +302,7 @@ cpu::Workspace Plan::Impl::cpu_workspace() {
 void Plan::Impl::run_backward(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
                               Plan::CpuBackwardEngine engine, const void* context) {
   if (problem.device != Device::cpu)
-    throw Error("problem.device", "cuda: GPU backward not implemented yet; plan for Device::cpu");
+    throw Error("problem.device", "cuda: a custom mask functor runs on the CPU engine only; plan for Device::cpu");
   formats::validate_backward(problem, inputs, backward, gradients);
   if (problem.validate) formats::validate_values(problem, tiles, inputs);
   BackwardParams g = formats::bind_backward(problem, tiles, capacity, inputs, backward, gradients);
@@ -275,16 +325,7 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   const auto s = static_cast<cudaStream_t>(stream);
   DeviceWorkspace& ws = *device;
   route::RouteParams& p = a.route;
-  cuda_check(cudaMemsetAsync(ws.overflow, 0, DeviceWorkspace::kFlagBytes, s), "cudaMemsetAsync");
-  attach_varlen_block_offsets(p, ws.cu_total_m_blocks, ws.cu_block_idx_offsets,
-                              [s](const route::RouteParams& q, std::int32_t* m, std::int32_t* o) {
-                                cuda_check(gpu::derive_varlen_block_offsets(q, m, o, s), "derive_varlen_block_offsets");
-                              });
-  a.routes = ws.routes;
-  a.route_counts = ws.counts;
-  a.row_order = ws.row_order;
-  a.work_counter = ws.work_counter;
-  cuda_check(gpu::prepare_routes(a, ws.routes, ws.counts, ws.overflow, s), "prepare_routes");
+  prepare_gpu_routes(a, stream);
   cuda_check(gpu::order_rows_longest_first(ws.counts, a.route_rows, ws.row_order, s), "order_rows_longest_first");
   if (problem.validate) check_gpu(stream);
   // Token extents of Q and K/V (the bounds of the kernel's bulk tensor copies).
@@ -294,6 +335,40 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   extents.kv = std::min(inputs.k.shape[tdim], inputs.v.shape[tdim]);
   if (p.paged) extents.kv_pages = std::min(inputs.k.shape[0], inputs.v.shape[0]);
   cuda_check(gpu::run_forward(a, extents, ws.overflow, s), "forward kernel launch");
+}
+
+// Clears the overflow flag and work counter, derives varlen offsets when not given, binds the
+// workspace and prepares the route stream on `stream` (forward and backward alike).
+void Plan::Impl::prepare_gpu_routes(AttentionParams& a, Stream stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  DeviceWorkspace& ws = *device;
+  cuda_check(cudaMemsetAsync(ws.overflow, 0, DeviceWorkspace::kFlagBytes, s), "cudaMemsetAsync");
+  attach_varlen_block_offsets(a.route, ws.cu_total_m_blocks, ws.cu_block_idx_offsets,
+                              [s](const route::RouteParams& q, std::int32_t* m, std::int32_t* o) {
+                                cuda_check(gpu::derive_varlen_block_offsets(q, m, o, s), "derive_varlen_block_offsets");
+                              });
+  a.routes = ws.routes;
+  a.route_counts = ws.counts;
+  a.row_order = ws.row_order;
+  a.work_counter = ws.work_counter;
+  cuda_check(gpu::prepare_routes(a, ws.routes, ws.counts, ws.overflow, s), "prepare_routes");
+}
+
+// GPU backward: the checks and binding of the CPU path, then route preparation and the backward
+// kernels (gpu/backward.hpp) on `stream`: no allocation, and no host sync without validation (an
+// overflow then writes nothing and Plan::check() reports it).
+void Plan::Impl::run_backward_gpu(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
+                                  Stream stream) {
+  formats::validate_backward(problem, inputs, backward, gradients);
+  DeviceWorkspace& ws = *device;
+  if (!ws.backward_refused.empty()) throw Error(ws.backward_refused_field, ws.backward_refused);
+  if (problem.validate) formats::validate_values(problem, tiles, inputs);
+  BackwardParams g = formats::bind_backward(problem, tiles, capacity, inputs, backward, gradients);
+  DeviceGuard guard(problem.device_index);
+  prepare_gpu_routes(g.fwd, stream);
+  if (problem.validate) check_gpu(stream);
+  cuda_check(gpu::run_backward(g, ws.backward, ws.overflow, problem.deterministic, static_cast<cudaStream_t>(stream)),
+             "backward kernel launch");
 }
 
 void Plan::Impl::check_gpu(Stream stream) {
@@ -347,8 +422,16 @@ void Plan::run_cpu_engine(const Inputs& inputs, const Outputs& outputs, CpuEngin
 
 void Plan::run_backward(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
                         Stream stream) {
-  (void)stream;  // CPU only for now
-  require(impl_).run_backward(
+  Impl& impl = require(impl_);
+#if BSATTN_WITH_CUDA
+  if (impl.device) {
+    impl.run_backward_gpu(inputs, backward, gradients, stream);
+    return;
+  }
+#else
+  (void)stream;
+#endif
+  impl.run_backward(
       inputs, backward, gradients,
       [](const void*, BackwardParams& g, const cpu::Workspace& ws) { cpu::run_backward(g, ws, cpu::NoTokenMask{}); },
       nullptr);
