@@ -153,3 +153,26 @@ def test_plan_calls_take_the_cached_path_and_still_refuse_other_problems():
     with pytest.raises(bsattn.BsattnError) as error:
         plan(q[:, :64], k, v, sparsity)
     assert error.value.argument == "problem.max_seqlen_q"
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and bsattn.built_with_cuda), reason="needs CUDA and a GPU build")
+@pytest.mark.parametrize("validate", [False, True])
+def test_cached_cuda_calls_follow_new_tensors_and_streams(validate):
+    """One signature, called with new tensors on the current stream and on another one; every
+    output against SDPA in float32 on the same inputs (outputs are fresh tensors each call)."""
+    def expected(q, k, v):
+        qh, kh, vh = (t.float().transpose(1, 2) for t in (q, k, v))
+        return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2)
+
+    mask = bsattn.Mask(causal=True)
+    side = torch.cuda.Stream()
+    for step in range(4):
+        q, k, v = (torch.randn(1, 1000, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        if step % 2:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = bsattn.attention(q, k, v, mask=mask, validate=validate)
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            out = bsattn.attention(q, k, v, mask=mask, validate=validate)
+        torch.testing.assert_close(out.float(), expected(q, k, v), atol=2e-2, rtol=2e-2)
