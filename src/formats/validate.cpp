@@ -365,28 +365,20 @@ struct HostInts {
   std::int64_t size() const { return static_cast<std::int64_t>(values.size()); }
 };
 
-// Reads metadata for the value checks. On the GPU the whole device is synchronised once, so
-// that metadata written by earlier work on any stream is complete (validate = true is the
-// synchronous path; validate = false never gets here).
+// Reads metadata for the value checks. Before the first read of a device tensor the whole device
+// is synchronised once, so that metadata written by earlier work on any stream is complete
+// (validate = true is the synchronous path; validate = false never gets here). A problem without
+// device metadata (dense batched attention) reads nothing and does not synchronise.
 class MetadataReader {
  public:
-  explicit MetadataReader(const Problem& pb) {
-    if (pb.device != Device::cuda) return;
-#if BSATTN_WITH_CUDA
-    int current = 0;
-    cuda_check("problem.device_index", "cudaGetDevice", cudaGetDevice(&current));
-    cuda_check("problem.device_index", "cudaSetDevice", cudaSetDevice(pb.device_index));
-    const cudaError_t synced = cudaDeviceSynchronize();
-    cuda_check("problem.device_index", "cudaSetDevice", cudaSetDevice(current));
-    cuda_check("problem.validate", "synchronising the device before reading metadata", synced);
-#endif
-  }
+  explicit MetadataReader(const Problem& pb) : device_index_(pb.device_index) {}
 
   HostInts read(const std::string& name, const TensorView& t) const {
     const unsigned char* base = static_cast<const unsigned char*>(t.data);
     std::vector<unsigned char> staging;
     if (t.device == Device::cuda) {
 #if BSATTN_WITH_CUDA
+      synchronise_once();
       const ByteRange range = byte_range(t);
       staging.resize(range.size());
       cuda_check(name, "copying it to the host for validation",
@@ -410,7 +402,21 @@ class MetadataReader {
   }
 
  private:
+  int device_index_;
+  mutable bool synchronised_ = false;
+
 #if BSATTN_WITH_CUDA
+  void synchronise_once() const {
+    if (synchronised_) return;
+    int current = 0;
+    cuda_check("problem.device_index", "cudaGetDevice", cudaGetDevice(&current));
+    cuda_check("problem.device_index", "cudaSetDevice", cudaSetDevice(device_index_));
+    const cudaError_t synced = cudaDeviceSynchronize();
+    cuda_check("problem.device_index", "cudaSetDevice", cudaSetDevice(current));
+    cuda_check("problem.validate", "synchronising the device before reading metadata", synced);
+    synchronised_ = true;
+  }
+
   static void cuda_check(const std::string& argument, const char* action, cudaError_t e) {
     if (e == cudaSuccess) return;
     cudaGetLastError();  // not sticky: leave no stale error for the caller's next check
