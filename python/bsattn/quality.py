@@ -9,22 +9,23 @@ It prints a table and writes a PNG plot (matplotlib) of error against density. d
 "Quality you can see", shows an example and the measured figures.
 
 The inputs (`video_tokens`) stand in for a video model's Q/K/V: tokens on a (t, h, w) grid in raster
-order, so a block of 64 tokens is a patch of a few rows of one frame. Per head,
+order, so a block of 64 tokens is a strip of a few rows of one frame (or, with ``tile``, in tile
+order, so that a block is a compact t x h x w box). Per head,
 ``Q = P + c C + n N_q`` and ``K = P + c C + n N_k`` (each term unit variance per entry):
 * P, a smooth positional field (random Fourier features of a Gaussian kernel of ``correlation``
   tokens) shared by Q and K, so a token attends its neighbours;
 * C, a content field of rank ``rank`` that is smooth over (h, w) and drifts ``motion`` tokens
   along w per frame, shared by Q and K, so a token also attends the same object in other frames;
 * N, independent noise.
-V is a smooth field of its own plus noise. No package on PyPI ships real video-model Q/K/V
-activations small enough to install (model weights only), so there is no "real data" option.
+V is a smooth field of its own plus noise. ``logit_scale`` multiplies Q (sharper or flatter
+attention). No package on PyPI ships captured Q/K/V activations of a video model (the tools that
+extract them need the model's weights from a hub), so there is no "real data" option.
 """
 
 import argparse
 import dataclasses
 import math
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -176,8 +177,7 @@ def dense_reference(q, k, v, block_size, scale=None, rows_per_chunk=1024):
     bq, bk = block_size
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     rows_per_chunk = max(1, rows_per_chunk // bq) * bq
-    torch = _is_torch(q)
-    new = q.new_zeros if torch else np.zeros
+    new = q.new_zeros if _is_torch(q) else np.zeros
     out = new(q.shape)
     q_blocks, kv_blocks = -(-s // bq), -(-s // bk)
     block_mass, proxy_mass = new((heads, q_blocks, kv_blocks)), new((heads, q_blocks, kv_blocks))
@@ -325,10 +325,6 @@ class _Engine:
             return x64.astype(ml_dtypes.bfloat16)
         return x64.astype(np.float16 if self.dtype == "f16" else np.float32)
 
-    def reference_input(self, x):
-        """float64 copy of a run tensor, where the reference is computed (same device)."""
-        return x.double() if self.device == "cuda" else np.asarray(x, np.float64)
-
 
 _TORCH_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
@@ -348,7 +344,7 @@ def measure(spec=VideoTokens(), *, densities=DEFAULT_DENSITIES, block_size=(64, 
     block_size = bq, bk = _block_size(block_size)
     notes = []
     q, k, v = (engine.tensor(x) for x in video_tokens(spec))
-    reference = dense_reference(*(engine.reference_input(x) for x in (q, k, v)), block_size)
+    reference = dense_reference(*(_float64(x) for x in (q, k, v)), block_size)  # on the inputs' device
     block_mass, proxy_mass = (_to_numpy(x) for x in (reference.block_mass, reference.proxy_mass))
     time_stage = lambda call: _median_time(call, repeats, engine.synchronize)  # noqa: E731
 
@@ -496,8 +492,10 @@ def plot_report(report, path):
     times.legend()
     times.grid(True, alpha=0.3)
     spec = report.spec
-    figure.suptitle(f"bsattn quality: S = {spec.seqlen}, H = {spec.heads}, D = {spec.head_dim}, {report.dtype}, "
-                    f"blocks {report.block_size[0]} x {report.block_size[1]}, {report.policy}, {report.device}")
+    order = "raster" if spec.tile is None else "tiles {}x{}x{}".format(*spec.tile)
+    figure.suptitle(f"bsattn quality: S = {spec.seqlen} ({order}), H = {spec.heads}, D = {spec.head_dim}, "
+                    f"logit scale {spec.logit_scale:g}, {report.dtype}, blocks {report.block_size[0]} x "
+                    f"{report.block_size[1]}, {report.policy}, {report.device}")
     figure.savefig(path, dpi=110)
     return True
 
