@@ -458,7 +458,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
   // BSATTN_GPU_CTA_PER_TILE=1 launches one CTA per work item instead (measurement switch).
   static const bool cta_per_tile = std::getenv("BSATTN_GPU_CTA_PER_TILE") != nullptr;
   if constexpr (T::kPairMulticast) {
-    if (!desc.tma || a->route.paged) return cudaErrorNotSupported;
+    if (!desc.tma) return cudaErrorNotSupported;
     PairLaunch<T> launch(2 * (cta_per_tile ? items : std::min(items, resident_pairs<T>(device, sms))), stream);
     return cudaLaunchKernelEx(&launch.config, kernel, *a, overflow, desc);
   } else {

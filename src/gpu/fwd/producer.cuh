@@ -164,6 +164,10 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
   const int hkv = tile.hkv, page_size = a.page_size;
   const std::int32_t* table = a.block_table + tile.b * a.block_table_stride;
   const int r0 = lane * box_rows;  // this lane's box
+  // A CTA pair shares the tile: each CTA multicasts the boxes of its half into both (the box rows
+  // are at most kBlockN / 2), and copies the sequence-end box into its own stage itself.
+  const int half = T::kPairMulticast ? static_cast<int>(cute::block_rank_in_cluster()) * (kBlockN / 2) : 0;
+  const bool my_box = lane < boxes && (!T::kPairMulticast || (r0 >= half && r0 < half + kBlockN / 2));
   const auto load = [&](auto is_v, Element* tiles, const CUtensorMap* map, const Element* head,
                         std::int64_t page_stride, std::int64_t token_stride, std::uint64_t* full, std::uint64_t* empty,
                         int stage, int phase, int k0, int n_valid, int page, int tail_box) {
@@ -171,12 +175,14 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
     const unsigned tail_bytes = tail_box >= 0 ? box_rows * kHeadDim * sizeof(Element) : 0;
     if (lane == 0) expect_tx(&full[stage], kBlockN * kHeadDim * sizeof(Element) - tail_bytes);
     __syncwarp();
-    if (lane < boxes && lane != tail_box) {
+    if (my_box && lane != tail_box) {
       const int token = (k0 + r0) % page_size;
       CUTE_UNROLL
-      for (int c = 0; c < kHeadDim / 64; ++c)
-        tma_load_4d(tiles + (stage * kHeadDim + c * 64) * kBlockN + r0 * 64, map, &full[stage], c * 64, token, hkv,
-                    page);
+      for (int c = 0; c < kHeadDim / 64; ++c) {
+        Element* dst = tiles + (stage * kHeadDim + c * 64) * kBlockN + r0 * 64;
+        if constexpr (T::kPairMulticast) tma_load_4d_multicast(dst, map, &full[stage], c * 64, token, hkv, page, 0x3);
+        else tma_load_4d(dst, map, &full[stage], c * 64, token, hkv, page);
+      }
     }
     if (tail_box >= 0) {
       const int t0 = tail_box * box_rows, kv = k0 + t0;
@@ -342,7 +348,8 @@ __device__ __forceinline__ void load_q(const Tile& tile, int parity, bool tma, c
 // Returns false where TMA cannot address Q, K or V (strides or bases not 16-byte aligned, no
 // driver entry point); the kernel then loads with cp.async. Sets maps.tma_out and, for paged K/V,
 // the box rows (the largest of 128, 64, 32, 16 that divides the page size, the route tile width
-// and kBlockN, so a box never crosses a page) and the page count.
+// and kBlockN, at most kBlockN / 2 for a CTA pair, so a box never crosses a page) and the page
+// count.
 template <class T>
 bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDescriptors& maps) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -381,7 +388,8 @@ bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDe
   if (p.paged) {
     kv_rows = 0;
     for (int r : {128, 64, 32, 16})
-      if (!kv_rows && r <= T::kBlockN && T::kBlockN % r == 0 && a.page_size % r == 0 && p.tile_n % r == 0)
+      if (!kv_rows && r <= (T::kPairMulticast ? T::kBlockN / 2 : T::kBlockN) && T::kBlockN % r == 0 &&
+          a.page_size % r == 0 && p.tile_n % r == 0)
         kv_rows = r;
     if (!kv_rows || extents.kv_pages >= (std::int64_t(1) << 31)) return false;
     kv_batches = extents.kv_pages;
