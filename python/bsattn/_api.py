@@ -41,6 +41,17 @@ OPTION_NAMES = tuple(name for name, _ in OPTIONS)
 _ALL_BLOCKS = AllBlocks()  # sparsity=None
 
 
+_TORCH_OPS = []  # bsattn.torch_ops once a PyTorch call imported it (it imports torch)
+
+
+def _torch_ops():
+    if not _TORCH_OPS:
+        from . import torch_ops
+
+        _TORCH_OPS.append(torch_ops)
+    return _TORCH_OPS[0]
+
+
 class Summaries(tuple):
     """``(k_summary, v_summary)`` ``[B, nKB, Hkv, D]`` for proxy compensation (SPEC §6); what
     `build_summaries` returns and ``attention(..., proxy=)`` takes."""
@@ -70,10 +81,10 @@ def _flatten(sparsity, mask, proxy, *, scale, out_dtype, return_lse, validate, n
     slots = dict.fromkeys(SLOT_NAMES)
     slots.update(sparsity.slots())
     slots.update(mask.slots())
-    slots.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=block_table,
-                 seq_lens_kv=seq_lens_kv)
-    for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "seq_lens_kv"):
-        slots[name] = _tensors.to_int32(slots[name])
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k),
+                    ("block_table", block_table), ("seq_lens_kv", seq_lens_kv)):
+        if t is not None:
+            slots[name] = _tensors.to_int32(t)
     if proxy is not None:
         if len(proxy) != 2:
             raise _tensors.fail("proxy", "expected (k_summary, v_summary)")
@@ -225,8 +236,7 @@ def attention(q, k, v, sparsity=None, *, scale=None, mask=None, proxy=None, retu
         num_threads=num_threads, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=block_table, seq_lens_kv=seq_lens_kv)
     if _tensors.is_torch(q):
-        from . import torch_ops
-
+        torch_ops = _torch_ops()
         if torch_ops.direct_call_allowed(q, k, v):
             return torch_ops.direct_attention(q, k, v, slots, options, out, lse, stream)
         if stream is None:
@@ -332,8 +342,7 @@ class Plan:
             arguments = dict(arguments, sparsity=sparsity)
         slots, options = _flatten_call(arguments)
         if _tensors.is_torch(q):
-            from . import torch_ops
-
+            torch_ops = _torch_ops()
             if torch_ops.direct_call_allowed(q, k, v):
                 return torch_ops.direct_attention(q, k, v, slots, options, out, lse, stream, self._calls,
                                                   self._planned)

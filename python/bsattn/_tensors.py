@@ -35,7 +35,8 @@ def framework(t):
 
 
 def is_torch(t):
-    return framework(t) == "torch"
+    module = type(t).__module__  # framework(), checked first for the common case
+    return module == "torch" or module.startswith("torch.")
 
 
 def device_of(t):
