@@ -8,6 +8,7 @@
 #include "bsattn/attention_params.hpp"
 #include "gpu/attention.hpp"
 #include "gpu/fwd/scheduler.cuh"
+#include "gpu/fwd/tensor_map_memo.hpp"
 #include "gpu/fwd/traits.cuh"
 
 namespace bsattn::gpu::fwd {
@@ -352,17 +353,8 @@ __device__ __forceinline__ void load_q(const Tile& tile, int parity, bool tma, c
 // count.
 template <class T>
 bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDescriptors& maps) {
-  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  static Encode encode = []() -> Encode {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      return nullptr;
-    return reinterpret_cast<Encode>(fn);
-  }();
+  // Memoised: a run on the same addresses and strides copies its maps (tensor_map_memo.hpp).
+  const EncodeTiled encode = tensor_map_encoder();
   if (!encode) return false;
   const std::int64_t e = sizeof(typename T::Element);
   // A 4-D map (D, tokens, heads, batches; varlen: one batch of all tokens; paged: the pages) with
