@@ -14,6 +14,10 @@ CUDA graphs, on the current torch stream.
 ``slots`` are the optional tensors of `bsattn._api.SLOT_NAMES` and ``options`` the primitives of
 `bsattn._api.OPTIONS`, in that order; `bsattn.attention` builds them from its arguments.
 
+An eager call that needs neither autograd nor tracing skips the dispatcher
+(`direct_attention`): it is keyed by its tensors' shapes, strides, dtypes and devices and its
+options, and a repeated key passes only data pointers to its cached plan.
+
 Each distinct problem is planned once and cached (plan() allocates; a CUDA graph must capture
 calls whose plan exists, so warm up first). Calls of the same problem share that plan's
 workspace: they must not run concurrently on different streams. Capture needs
@@ -165,7 +169,7 @@ class _Call:
     __slots__ = ("plan", "lock", "layout", "slot_names", "out_shape", "out_dtype", "lse_shape", "stream_device")
 
 
-_MAX_CALLS = 64
+_MAX_CALLS = _MAX_PLANS  # entries keep their plans alive: at most twice _MAX_PLANS plans in all
 _calls = {}  # call signature -> _Call
 atexit.register(_calls.clear)
 
