@@ -381,9 +381,9 @@ def measure(spec=VideoTokens(), *, densities=DEFAULT_DENSITIES, block_size=(64, 
         time_attention_proxy = _median_time(lambda: proxy_attention(mask, validate=False),
                                             1 if proxy_attention.host else repeats, engine.synchronize)
         unselected = ~selected_blocks(mask, kv_blocks)[0]
-        dropped = block_mass[unselected].sum()
-        rows.append(Row(target, parameter, 1.0 - float(unselected.mean()),
-                        dropped / (spec.heads * spec.seqlen), proxy_mass[unselected].sum() / dropped if dropped else 1.0,
+        dropped = float(block_mass[unselected].sum())
+        recovered = float(proxy_mass[unselected].sum()) / dropped if dropped else 1.0
+        rows.append(Row(target, parameter, 1.0 - float(unselected.mean()), dropped / (spec.heads * spec.seqlen), recovered,
                         relative_error(out, reference.out), relative_error(_back_to(out_proxy, q), reference.out),
                         time_selection, time_attention, time_attention_proxy, mask))
     return Report(spec, dtype, device, (bq, bk), policy, rows, time_summaries, time_dense, error_dense,
