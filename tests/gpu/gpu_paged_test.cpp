@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -34,8 +35,14 @@ Result read_outputs(Case& c, Device where) {
   return r;
 }
 
+// The buffers page_kv adds: block table [B, row_stride], seq_lens_kv, K and V caches.
+struct PagedBuffers {
+  Buffer *table, *lens, *k_cache, *v_cache;
+  int row_stride;
+};
+
 // Moves the case's K/V into a page cache of `page_size` tokens per page.
-void page_kv(Case& c, int page_size, std::mt19937_64& rng) {
+PagedBuffers page_kv(Case& c, int page_size, std::mt19937_64& rng) {
   Problem& p = c.problem;
   const int B = p.batch, hkv = p.heads_kv, D = p.head_dim;
   const int C = (p.max_seqlen_kv + page_size - 1) / page_size;
@@ -85,6 +92,7 @@ void page_kv(Case& c, int page_size, std::mt19937_64& rng) {
     in->cu_seqlens_k = {};
     in->seqused_k = {};
   }
+  return {table, lens, kc, vc, row_stride};
 }
 
 void expect_match(const Case& c, const Result& gpu, const Result& cpu) {
@@ -153,6 +161,88 @@ TEST(GpuPaged, EveryFormatAndPageSize) {
       cpu.run(c->in_host, c->out_host);
       expect_match(*c, gpu, read_outputs(*c, Device::cpu));
     }
+}
+
+// A captured run replayed after new values were written at the same addresses: shorter
+// sequences (seq_lens_kv) whose pages moved elsewhere in the cache (block_table, K/V caches).
+// The replay must equal an eager run on the new values and the CPU engine.
+TEST(GpuPaged, GraphReplayWithNewTablesAndLengths) {
+  REQUIRE_SM90();
+  for (bool varlen : {false, true}) {
+    CaseSpec spec;
+    spec.format = Format::all_blocks;
+    spec.varlen = varlen;
+    spec.mask = 1;  // causal (bottom-right): a shorter KV sequence moves the diagonal
+    spec.seed = 4343 + varlen;
+    auto c = make_case(spec);
+    std::mt19937_64 rng(5 + varlen);
+    constexpr int kPage = 64;
+    const PagedBuffers pb = page_kv(*c, kPage, rng);
+    SCOPED_TRACE(c->name);
+
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    Plan plan(c->problem);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    plan.run(c->in_device, c->out_device, stream);
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    c->poison_outputs();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Result before = read_outputs(*c, Device::cuda);
+
+    // New values: each sequence keeps a random prefix of its tokens, in freshly shuffled pages.
+    const Problem& p = c->problem;
+    const std::int64_t page_elems = static_cast<std::int64_t>(kPage) * p.heads_kv * p.head_dim;
+    std::vector<int> perm(p.num_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<std::int32_t> table(pb.table->as<std::int32_t>(),
+                                    pb.table->as<std::int32_t>() + p.batch * pb.row_stride);
+    std::vector<unsigned char> k_old = pb.k_cache->host, v_old = pb.v_cache->host;
+    std::fill(pb.k_cache->host.begin(), pb.k_cache->host.end(), 0xff);
+    std::fill(pb.v_cache->host.begin(), pb.v_cache->host.end(), 0xff);
+    std::fill(pb.table->as<std::int32_t>(), pb.table->as<std::int32_t>() + p.batch * pb.row_stride, 1 << 30);
+    int next = 0;
+    for (int b = 0; b < p.batch; ++b) {
+      const int len = pb.lens->as<std::int32_t>()[b];
+      const int kept = len ? std::uniform_int_distribution<int>(len / 2, len)(rng) : 0;
+      pb.lens->as<std::int32_t>()[b] = kept;
+      for (int i = 0; i < (kept + kPage - 1) / kPage; ++i) {
+        const int from = table[b * pb.row_stride + i], to = perm[next++];
+        pb.table->as<std::int32_t>()[b * pb.row_stride + i] = to;
+        for (auto [dst, src] : {std::pair{pb.k_cache, &k_old}, std::pair{pb.v_cache, &v_old}})
+          std::copy_n(src->data() + from * page_elems * 2, page_elems * 2, dst->host.data() + to * page_elems * 2);
+      }
+    }
+    for (Buffer* buf : {pb.table, pb.lens, pb.k_cache, pb.v_cache}) buf->upload();  // same addresses
+
+    c->poison_outputs();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Result replay = read_outputs(*c, Device::cuda);
+    c->poison_outputs();
+    plan.run(c->in_device, c->out_device, stream);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Result eager = read_outputs(*c, Device::cuda);
+    EXPECT_EQ(replay.out, eager.out);
+    EXPECT_EQ(0, std::memcmp(replay.lse.data(), eager.lse.data(), replay.lse.size() * 4));
+    EXPECT_NE(before.lse, replay.lse);  // the new lengths mattered
+
+    Problem cpu_problem = c->problem;
+    cpu_problem.device = Device::cpu;
+    std::fill(c->out->host.begin(), c->out->host.end(), 0xff);
+    std::fill(c->lse->host.begin(), c->lse->host.end(), 0xff);
+    Plan cpu(cpu_problem);
+    cpu.run(c->in_host, c->out_host);
+    expect_match(*c, replay, read_outputs(*c, Device::cpu));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  }
 }
 
 TEST(GpuPaged, PagesOfAMultipleOf16Tokens) {
