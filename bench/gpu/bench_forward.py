@@ -1,11 +1,22 @@
 #!/usr/bin/env python3
-"""GPU forward benchmark of bsattn against FlexAttention (same BlockMask) and cuDNN SDPA.
+"""GPU forward benchmark of bsattn against FlexAttention (same BlockMask), cuDNN SDPA and
+FlashAttention-4 (same block pattern, as full-block lists: bench/gpu/peer_fa4.py).
 
-bsattn runs through libbsattn_bench.so (bench/gpu/bench_shim.cpp) on the very torch tensors the
-peers read. Every configuration is checked against a peer (or a float32 reference) before it is
-timed; times are the median of >= 20 CUDA-event timings after warm-up; inputs are larger than L2.
+bsattn runs through libbsattn_bench.so (bench/gpu/bench_shim.cpp, bench_shim_varlen.cpp) on the
+very torch tensors the peers read. Every configuration is checked against a peer and against a
+float32 reference on slices of query rows before it is timed; FlashAttention-4 is checked against
+bsattn's output and the same reference before it is timed. Times are the median of >= 20
+CUDA-event timings after warm-up; inputs are larger than L2.
 
   python3 bench/gpu/bench_forward.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--peers all|core|none]
+      [--rows forward|issue14|all]
+
+--rows: "forward" (default) the issue-3 table; "issue14" the rows of issue 14 against
+FlashAttention-4 (patterns per query head and shared by all heads, causal, causal + window,
+packed documents (varlen), MHA H 40 with blocks of 64, D 64 / 256, other block shapes, S 8192,
+dense); "all" both. --peers all|core|none, or a comma list of flex,cudnn,fa4 (those on every
+row). FlashAttention-4 (`flash_attn.cute`) is imported lazily: where it is not importable its
+column stays empty and the table says why.
 
 --compare LIB...: also time other builds of the library (kernel variants) on the same inputs,
 interleaved with the main one in rounds (order reversed every other round), so that clock and
@@ -18,19 +29,30 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer_fa4  # noqa: E402  (imports flash_attn.cute only when asked)
+
 P = argparse.ArgumentParser()
 P.add_argument("--lib", required=True)
-P.add_argument("--peers", default="all", choices=["all", "core", "none"])
+P.add_argument("--peers", default="all",
+               help="all | core (peers on the core rows only) | none | comma list of flex,cudnn,fa4 (on every row)")
+P.add_argument("--rows", default="forward", choices=["forward", "issue14", "all"],
+               help="forward: the issue-3 table; issue14: the rows measured against FlashAttention-4; all: both")
 P.add_argument("--iters", type=int, default=20)
 P.add_argument("--only", default="", help="comma-separated config name prefixes")
 P.add_argument("--out", default="", help="write the result table (markdown) here")
 P.add_argument("--compare", nargs="+", default=[], help="other library builds timed against --lib, interleaved")
 P.add_argument("--rounds", type=int, default=5, help="interleaved rounds per configuration with --compare")
 ARGS = P.parse_args()
+PEER_NAMES = ("flex", "cudnn", "fa4")
+if ARGS.peers not in ("all", "core", "none") and not set(ARGS.peers.split(",")) <= set(PEER_NAMES):
+    P.error(f"--peers: all, core, none or a comma list of {','.join(PEER_NAMES)}")
 
 
 def load(path):
@@ -42,6 +64,14 @@ def load(path):
     lib.bsattn_bench_check.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.bsattn_bench_free.argtypes = [ctypes.c_void_p]
     lib.bsattn_bench_error.restype = ctypes.c_char_p
+    if hasattr(lib, "bsattn_bench_plan_varlen"):  # bench_shim_varlen.cpp (older builds lack it)
+        lib.bsattn_bench_plan_varlen.restype = ctypes.c_void_p
+        lib.bsattn_bench_plan_varlen.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64] + [ctypes.c_int] * 8
+        lib.bsattn_bench_run_varlen.restype = ctypes.c_int
+        lib.bsattn_bench_run_varlen.argtypes = [ctypes.c_void_p] * 8
+        lib.bsattn_bench_check_varlen.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.bsattn_bench_free_varlen.argtypes = [ctypes.c_void_p]
+        lib.bsattn_bench_varlen_error.restype = ctypes.c_char_p
     return lib
 
 
@@ -49,34 +79,98 @@ LIBS = [load(p) for p in [ARGS.lib] + ARGS.compare]
 
 DEV = "cuda"
 B, HQ, HKV = 1, 32, 8
+W = 4096  # the sliding window of the "window" rows: kv in (q - W, q]
+TOL = 2e-2  # bf16: relative L2 error accepted against a peer or the reference
+
+
+@dataclass
+class Row:
+    """One configuration. kind: random (block lists, `density` of the KV blocks per row), causal,
+    window (causal + sliding window W), docs (packed sequences of lengths `docs`, causal within
+    each, varlen). hs: random patterns one per KV head ("kv"), per query head ("q") or one shared
+    by all heads ("1"). tier: which rows `--peers core` gives peers."""
+    name: str
+    S: int
+    D: int = 128
+    bq: int = 128
+    bk: int = 128
+    kind: str = "random"
+    density: float = None
+    tier: str = "core"
+    hs: str = "kv"
+    hq: int = HQ
+    hkv: int = HKV
+    docs: tuple = ()
+
+    def heads(self):
+        return {"kv": self.hkv, "q": self.hq, "1": 1}[self.hs]
+
+    def tokens(self):
+        return sum(self.docs) if self.kind == "docs" else self.S
 
 
 def ptr(t):
     return ctypes.c_void_p(t.data_ptr()) if t is not None else None
 
 
+def stream():
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
 class Ours:
-    def __init__(self, S, D, bq, bk, fmt, hs, causal, window_left, dtype, lib=LIBS[0]):
+    """bsattn on batched inputs: block lists (random rows) or all blocks + built-in mask."""
+
+    def __init__(self, row, lib=LIBS[0]):
         self.lib = lib
-        self.h = lib.bsattn_bench_plan(B, S, HQ, HKV, D, int(dtype == torch.float16), bq, bk, fmt, hs,
-                                       int(causal), window_left)
+        fmt, hs, causal, window_left = (1, row.heads(), False, -1) if row.kind == "random" else \
+            (0, 1, True, W - 1 if row.kind == "window" else -1)
+        self.h = lib.bsattn_bench_plan(B, row.S, row.hq, row.hkv, row.D, 0, row.bq, row.bk, fmt, hs, int(causal),
+                                       window_left)
         if not self.h:
             raise RuntimeError(lib.bsattn_bench_error().decode())
 
-    def __call__(self, q, k, v, out, lse, cnt, idx):
-        s = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        lib = self.lib
-        if lib.bsattn_bench_run(self.h, ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse), ptr(cnt), ptr(idx), s) != 0:
-            raise RuntimeError(lib.bsattn_bench_error().decode())
+    def __call__(self, x, out):
+        if self.lib.bsattn_bench_run(self.h, ptr(x.q), ptr(x.k), ptr(x.v), ptr(out), ptr(x.lse), ptr(x.cnt), ptr(x.idx),
+                                     stream()) != 0:
+            raise RuntimeError(self.lib.bsattn_bench_error().decode())
 
     def check(self):
-        s = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        if self.lib.bsattn_bench_check(self.h, s) != 0:
+        if self.lib.bsattn_bench_check(self.h, stream()) != 0:
             raise RuntimeError(self.lib.bsattn_bench_error().decode())
 
     def __del__(self):
         if getattr(self, "h", None):
             self.lib.bsattn_bench_free(self.h)
+
+
+class OursVarlen:
+    """bsattn on packed sequences (kind docs): all blocks, causal within each sequence."""
+
+    def __init__(self, row, lib=LIBS[0]):
+        self.lib = lib
+        if not hasattr(lib, "bsattn_bench_plan_varlen"):
+            raise RuntimeError("this libbsattn_bench.so has no varlen entry points (rebuild: bench_shim_varlen.cpp)")
+        self.h = lib.bsattn_bench_plan_varlen(len(row.docs), max(row.docs), row.tokens(), row.hq, row.hkv, row.D, 0,
+                                              row.bq, row.bk, 1, -1)
+        if not self.h:
+            raise RuntimeError(lib.bsattn_bench_varlen_error().decode())
+
+    def __call__(self, x, out):
+        if self.lib.bsattn_bench_run_varlen(self.h, ptr(x.q), ptr(x.k), ptr(x.v), ptr(x.cu), ptr(out), ptr(x.lse),
+                                            stream()) != 0:
+            raise RuntimeError(self.lib.bsattn_bench_varlen_error().decode())
+
+    def check(self):
+        if self.lib.bsattn_bench_check_varlen(self.h, stream()) != 0:
+            raise RuntimeError(self.lib.bsattn_bench_varlen_error().decode())
+
+    def __del__(self):
+        if getattr(self, "h", None):
+            self.lib.bsattn_bench_free_varlen(self.h)
+
+
+def ours_for(row, lib=LIBS[0]):
+    return OursVarlen(row, lib) if row.kind == "docs" else Ours(row, lib)
 
 
 def time_ms(fn, iters):
@@ -94,9 +188,14 @@ def time_ms(fn, iters):
     return statistics.median(ts)
 
 
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
 def random_pattern(S, bq, bk, hs, density, seed):
     """Exactly round(density * nKB) random KV blocks per row (ascending), per sparsity head."""
-    nqb, nkb = S // bq, S // bk
+    nqb, nkb = -(-S // bq), -(-S // bk)
     k = max(1, round(density * nkb))
     g = torch.Generator(device=DEV).manual_seed(seed)
     scores = torch.rand(hs, nqb, nkb, generator=g, device=DEV)
@@ -107,29 +206,72 @@ def random_pattern(S, bq, bk, hs, density, seed):
     return cnt, idx, k
 
 
-def flex_runner(S, D, bq, bk, kind, cnt, idx, window):
+def make_inputs(row, seed):
+    """Q, K, V, LSE and the pattern of a row; blk is the bool block mask [Hs, nQB, nKB] bsattn's
+    block lists encode (what FlashAttention-4 gets), cu the cu_seqlens of packed documents."""
+    torch.manual_seed(seed)
+    T, D = row.tokens(), row.D
+    lead = (T,) if row.kind == "docs" else (B, T)
+    x = SimpleNamespace(cnt=None, idx=None, kb=0, blk=None, cu=None)
+    x.q = torch.randn(*lead, row.hq, D, device=DEV, dtype=torch.bfloat16)
+    x.k = torch.randn(*lead, row.hkv, D, device=DEV, dtype=torch.bfloat16)
+    x.v = torch.randn(*lead, row.hkv, D, device=DEV, dtype=torch.bfloat16)
+    x.lse = torch.empty(row.hq, T, device=DEV) if row.kind == "docs" else torch.empty(B, row.hq, T, device=DEV)
+    if row.kind == "random":
+        x.cnt, x.idx, x.kb = random_pattern(row.S, row.bq, row.bk, row.heads(), row.density, 7)
+        x.blk = peer_fa4.block_mask_of(x.cnt, x.idx, -(-row.S // row.bk))
+    if row.kind == "docs":
+        x.cu = torch.tensor([0] + list(row.docs), device=DEV).cumsum(0).to(torch.int32)
+    return x
+
+
+def pairs_of(row, x):
+    """Kept (q, kv) pairs over all query heads (tails of partial blocks counted exactly)."""
+    S, hq = row.S, row.hq
+    if row.kind == "random":
+        qlen = (S - torch.arange(x.blk.shape[1], device=DEV) * row.bq).clamp(max=row.bq).double()
+        klen = (S - torch.arange(x.blk.shape[2], device=DEV) * row.bk).clamp(max=row.bk).double()
+        per_pattern = (x.blk.double() * qlen[:, None] * klen[None, :]).sum().item()
+        return per_pattern * (hq // row.heads()) * B
+    if row.kind == "causal":
+        return S * (S + 1) // 2 * hq * B
+    if row.kind == "docs":
+        return sum(n * (n + 1) // 2 for n in row.docs) * hq
+    # causal sliding window: kv in (q - W, q]
+    per_head = sum(min(q + 1, W) for q in range(0, min(S, W))) + max(0, S - W) * W
+    return per_head * hq * B
+
+
+def flex_runner(row, x, qh, kh, vh):
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
     import torch._dynamo
     # One compile per shape / block size / mask: more than dynamo's default limit of 8 here.
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.cache_size_limit = 64
     fa = torch.compile(flex_attention, dynamic=False)
-    if kind == "random":
-        g = HQ // cnt.shape[1]
-        full_cnt = cnt.repeat_interleave(g, dim=1).contiguous()
-        full_idx = idx.repeat_interleave(g, dim=1).contiguous()
+    S, bq, bk = row.tokens(), row.bq, row.bk
+    if row.kind == "random":
+        g = row.hq // x.cnt.shape[1]
+        full_cnt = x.cnt.repeat_interleave(g, dim=1).contiguous()
+        full_idx = x.idx.repeat_interleave(g, dim=1).contiguous()
         bm = BlockMask.from_kv_blocks(torch.zeros_like(full_cnt), torch.zeros_like(full_idx), full_cnt, full_idx,
                                       BLOCK_SIZE=(bq, bk), mask_mod=None, seq_lengths=(S, S))
     else:
-        if kind == "causal":
+        if row.kind == "causal":
             def mod(b, h, q, kv):
                 return q >= kv
+        elif row.kind == "docs":
+            doc = torch.repeat_interleave(torch.arange(len(row.docs), device=DEV),
+                                          torch.tensor(row.docs, device=DEV))
+
+            def mod(b, h, q, kv):
+                return (q >= kv) & (doc[q] == doc[kv])
         else:
             def mod(b, h, q, kv):
-                return (q >= kv) & (q - kv < window)
+                return (q >= kv) & (q - kv < W)
         bm = create_block_mask(mod, None, None, S, S, device=DEV, BLOCK_SIZE=(bq, bk))
 
-    def run(qh, kh, vh):
+    def run():
         return fa(qh, kh, vh, block_mask=bm, enable_gqa=True)
     return run
 
@@ -140,179 +282,275 @@ def cudnn(qh, kh, vh, causal):
         return F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=True)
 
 
-def pairs_of(kind, S, bq, bk, k_blocks, window):
-    if kind == "random":
-        return (S // bq) * k_blocks * bq * bk * HQ * B
-    if kind == "causal":
-        return S * (S + 1) // 2 * HQ * B
-    # causal sliding window: kv in (q - window, q]
-    w = window
-    per_head = sum(min(q + 1, w) for q in range(0, min(S, w))) + max(0, S - w) * w
-    return per_head * HQ * B
+def spot_errors(row, x, outs, rows=128):
+    """Relative L2 error of each output (name -> O in Q's layout) against a float32 reference
+    with an explicit token mask, on query heads 0 and Hq - 1 and the first and last `rows`
+    tokens (every kind of row; independent of every engine and peer)."""
+    T, hq, hkv = row.tokens(), row.hq, row.hkv
+    q, k, v = (t.reshape(T, t.shape[-2], row.D) for t in (x.q, x.k, x.v))
+    pos = torch.cat([torch.arange(0, min(rows, T)), torch.arange(max(T - rows, 0), T)]).unique().to(DEV)
+    kpos = torch.arange(T, device=DEV)
+    if row.kind == "docs":
+        doc = torch.repeat_interleave(torch.arange(len(row.docs), device=DEV), torch.tensor(row.docs, device=DEV))
+    errs = {n: [] for n in outs}
+    for h in (0, hq - 1):
+        hk = h // (hq // hkv)
+        if row.kind == "random":
+            pattern = x.blk[h // (hq // row.heads())]
+            keep = pattern[pos // row.bq][:, kpos // row.bk]
+        else:
+            keep = kpos[None, :] <= pos[:, None]
+            if row.kind == "window":
+                keep &= pos[:, None] - kpos[None, :] < W
+            if row.kind == "docs":
+                keep &= doc[pos][:, None] == doc[kpos][None, :]
+        s = (q[pos, h].float() @ k[:, hk].float().T) / math.sqrt(row.D)
+        ref = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v[:, hk].float()
+        for n, o in outs.items():
+            errs[n].append((o.reshape(T, hq, row.D)[pos, h].float() - ref).norm().item() ** 2 / ref.norm().item() ** 2)
+    return {n: math.sqrt(sum(e) / len(e)) for n, e in errs.items()}
 
 
 def reference_check():
     """bsattn vs a float32 reference with an explicit dense mask (small problem, tails excluded)."""
     S, D, bq, bk = 1024, 128, 128, 128
+    row = Row("reference", S, D, bq, bk, "random", 0.3)
     torch.manual_seed(0)
-    q = torch.randn(B, S, HQ, D, device=DEV, dtype=torch.bfloat16)
-    k = torch.randn(B, S, HKV, D, device=DEV, dtype=torch.bfloat16)
-    v = torch.randn(B, S, HKV, D, device=DEV, dtype=torch.bfloat16)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((B, HQ, S), float("nan"), device=DEV)
-    cnt, idx, kb = random_pattern(S, bq, bk, HKV, 0.3, 1)
-    ours = Ours(S, D, bq, bk, 1, HKV, False, -1, torch.bfloat16)
-    ours(q, k, v, out, lse, cnt, idx)
+    x = SimpleNamespace(cu=None)
+    x.q = torch.randn(B, S, HQ, D, device=DEV, dtype=torch.bfloat16)
+    x.k = torch.randn(B, S, HKV, D, device=DEV, dtype=torch.bfloat16)
+    x.v = torch.randn(B, S, HKV, D, device=DEV, dtype=torch.bfloat16)
+    out = torch.full_like(x.q, float("nan"))
+    x.lse = torch.full((B, HQ, S), float("nan"), device=DEV)
+    x.cnt, x.idx, kb = random_pattern(S, bq, bk, HKV, 0.3, 1)
+    ours = Ours(row)
+    ours(x, out)
     ours.check()
     blk = torch.zeros(HKV, S // bq, S // bk, dtype=torch.bool, device=DEV)
-    blk.scatter_(2, idx[0, :, :, :kb].long(), True)
+    blk.scatter_(2, x.idx[0, :, :, :kb].long(), True)
     dense = blk.repeat_interleave(bq, 1).repeat_interleave(bk, 2).repeat_interleave(HQ // HKV, 0)
-    qh, kh, vh = (t.transpose(1, 2).float() for t in (q, k, v))
+    qh, kh, vh = (t.transpose(1, 2).float() for t in (x.q, x.k, x.v))
     kh = kh.repeat_interleave(HQ // HKV, 1)
     vh = vh.repeat_interleave(HQ // HKV, 1)
     s = (qh @ kh.transpose(-1, -2)) / math.sqrt(D)
     s = s.masked_fill(~dense[None], float("-inf"))
     ref_lse = torch.logsumexp(s, -1)
     ref = (torch.softmax(s, -1) @ vh).transpose(1, 2)
-    err = ((out.float() - ref).norm() / ref.norm()).item()
-    lerr = (lse - ref_lse).abs().max().item()
+    err = rel_err(out, ref)
+    lerr = (x.lse - ref_lse).abs().max().item()
     ok = err < 1e-2 and lerr < 1e-2 and not torch.isnan(out).any().item()
     print(f"reference check (S={S}, random 0.3, GQA {HQ}/{HKV}): rel L2 {err:.2e}, LSE max err {lerr:.2e} -> "
           f"{'OK' if ok else 'FAIL'}", flush=True)
     return ok
 
 
-def plan_args(kind, W):
-    """Ours(...) format, sparsity heads, causal and window_left of a configuration kind."""
-    return (1, HKV, False, -1) if kind == "random" else (0, 1, True, W - 1 if kind == "window" else -1)
-
-
-def compare_variants(name, S, D, bq, bk, kind, W, q, k, v, lse, cnt, idx, ref, out):
+def compare_variants(row, x, ref, out):
     """Median times of LIBS[0] and every --compare build, timed in interleaved rounds."""
     base = ref if ref is not None else out  # without peers: the variants against the main build
     runs = []
     for lib in LIBS:
-        o = Ours(S, D, bq, bk, *plan_args(kind, W), torch.bfloat16, lib)
+        o = ours_for(row, lib)
         res = torch.full_like(out, float("nan"))
-        o(q, k, v, res, lse, cnt, idx)
+        o(x, res)
         o.check()
-        e = ((res.float() - base.float()).norm() / base.float().norm()).item()
-        if not e < 2e-2:
-            print(f"  MISMATCH {name} ({lib._name}): rel L2 {e:.3e}", flush=True)
+        e = rel_err(res, base)
+        if not e < TOL:
+            print(f"  MISMATCH {row.name} ({lib._name}): rel L2 {e:.3e}", flush=True)
         runs.append((o, res))
     times = [[] for _ in LIBS]
     for r in range(ARGS.rounds):
         order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))  # ABBA: no order bias
         for j in order:
             o, res = runs[j]
-            times[j].append(time_ms(lambda: o(q, k, v, res, lse, cnt, idx), max(5, ARGS.iters // ARGS.rounds)))
+            times[j].append(time_ms(lambda: o(x, res), max(5, ARGS.iters // ARGS.rounds)))
     med = [statistics.median(ts) for ts in times]
     return med[0], med[1:]
 
 
-def main():
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-          flush=True)
-    if not reference_check():
-        sys.exit(1)
-    W = 4096
-    configs = []
+def forward_rows():
+    """The issue-3 table: one pattern per KV head."""
+    rows = []
     for S in (8192, 32768):
         for d in (0.1, 0.25, 0.5, 1.0):
-            configs.append((f"S{S}-rand{d}", S, 128, 128, 128, "random", d, "core"))
-        configs.append((f"S{S}-causal", S, 128, 128, 128, "causal", None, "core"))
-        configs.append((f"S{S}-causal-win{W}", S, 128, 128, 128, "window", None, "core"))
+            rows.append(Row(f"S{S}-rand{d}", S, density=d))
+        rows.append(Row(f"S{S}-causal", S, kind="causal"))
+        rows.append(Row(f"S{S}-causal-win{W}", S, kind="window"))
     for D in (64, 256):
-        configs.append((f"S16384-D{D}-rand0.25", 16384, D, 128, 128, "random", 0.25, "all"))
+        rows.append(Row(f"S16384-D{D}-rand0.25", 16384, D, density=0.25, tier="all"))
     for bq, bk in ((64, 64), (128, 64), (64, 128), (256, 128)):
-        configs.append((f"S16384-blk{bq}x{bk}-rand0.25", 16384, 128, bq, bk, "random", 0.25, "all"))
+        rows.append(Row(f"S16384-blk{bq}x{bk}-rand0.25", 16384, 128, bq, bk, density=0.25, tier="all"))
+    return rows
+
+
+# Issue 14's packed documents: 16 sequences of 1 to 6000 tokens, 32 800 in all.
+DOCS = (6000, 1, 3517, 5120, 129, 4096, 777, 2048, 5999, 64, 1500, 300, 1023, 1300, 17, 889)
+
+
+def issue14_rows():
+    """Issue 14's rows against FlashAttention-4 (Hq 32 / Hkv 8, D 128, blocks 128 unless said):
+    patterns per query head ("qhead") and shared by all heads ("shared")."""
+    rows = []
+    for d in (0.1, 0.5):
+        for hs, tag in (("q", "qhead"), ("1", "shared")):
+            rows.append(Row(f"i14-S32768-rand{d}-{tag}", 32768, density=d, hs=hs))
+    rows.append(Row("i14-S32768-dense", 32768, density=1.0, hs="1"))
+    rows.append(Row("i14-S32768-causal", 32768, kind="causal"))
+    rows.append(Row(f"i14-S32768-causal-win{W}", 32768, kind="window"))
+    rows.append(Row("i14-docs16-causal-varlen", sum(DOCS), kind="docs", docs=DOCS))
+    rows.append(Row("i14-MHA40-S10800-blk64-rand0.175", 10800, 128, 64, 64, density=0.175, hs="q", hq=40, hkv=40))
+    for hs, tag in (("q", "qhead"), ("1", "shared")):
+        for D in (64, 256):
+            rows.append(Row(f"i14-S16384-D{D}-rand0.25-{tag}", 16384, D, density=0.25, hs=hs))
+        for bq, bk in ((128, 64), (64, 128), (256, 128)):
+            rows.append(Row(f"i14-S16384-blk{bq}x{bk}-rand0.25-{tag}", 16384, 128, bq, bk, density=0.25, hs=hs))
+        rows.append(Row(f"i14-S8192-rand0.1-{tag}", 8192, density=0.1, hs=hs))
+    rows.append(Row("i14-S8192-causal", 8192, kind="causal"))
+    return rows
+
+
+def peers_for(row):
+    if ARGS.peers == "all":
+        return set(PEER_NAMES)
+    if ARGS.peers == "core":
+        return set(PEER_NAMES) if row.tier == "core" else set()
+    if ARGS.peers == "none":
+        return set()
+    return set(ARGS.peers.split(","))
+
+
+def fmt_peer(r, pn):
+    return f"{r[pn]:.3f} ({r[pn + '_tf']:.0f})" if pn in r else "—"
+
+
+def main():
+    fa4_ok, fa4_note = peer_fa4.available()
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+          f"  FlashAttention-4: {fa4_note if fa4_ok else 'not importable'}", flush=True)
+    if not reference_check():
+        sys.exit(1)
+    configs = (forward_rows() if ARGS.rows in ("forward", "all") else []) + \
+        (issue14_rows() if ARGS.rows in ("issue14", "all") else [])
     if ARGS.only:
         pre = ARGS.only.split(",")
-        configs = [c for c in configs if any(c[0].startswith(p) for p in pre)]
+        configs = [c for c in configs if any(c.name.startswith(p) for p in pre)]
 
     rows = []
     dense_time = {}
-    for name, S, D, bq, bk, kind, d, tier in configs:
-        torch.manual_seed(hash(name) % 1000)
-        q = torch.randn(B, S, HQ, D, device=DEV, dtype=torch.bfloat16)
-        k = torch.randn(B, S, HKV, D, device=DEV, dtype=torch.bfloat16)
-        v = torch.randn(B, S, HKV, D, device=DEV, dtype=torch.bfloat16)
-        out = torch.full_like(q, float("nan"))
-        lse = torch.empty(B, HQ, S, device=DEV)
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-        if kind == "random":
-            cnt, idx, kb = random_pattern(S, bq, bk, HKV, d, 7)
-        else:
-            cnt = idx = None
-            kb = 0
-        ours = Ours(S, D, bq, bk, *plan_args(kind, W), torch.bfloat16)
-        flops = 4.0 * D * pairs_of(kind, S, bq, bk, kb, W)
-        run = lambda: ours(q, k, v, out, lse, cnt, idx)
-        run()
-        ours.check()
+    fa4_wanted = False
+    for row in configs:
+        name, kind, d = row.name, row.kind, row.density
+        x = make_inputs(row, hash(name) % 1000)
+        out = torch.full_like(x.q, float("nan"))
+        notes = []
+        try:
+            ours = ours_for(row)
+            ours(x, out)
+            ours.check()
+        except RuntimeError as e:
+            print(f"  bsattn failed on {name}: {e}", flush=True)
+            continue
         torch.cuda.synchronize()
+        flops = 4.0 * row.D * pairs_of(row, x)
+        # Torch's [B, H, S, D] views (packed documents: one sequence of all tokens).
+        qh, kh, vh = (t.transpose(1, 2) if t.dim() == 4 else t[None].transpose(1, 2) for t in (x.q, x.k, x.v))
+        as_q = (lambda o: o.transpose(1, 2)) if kind != "docs" else (lambda o: o.transpose(1, 2)[0])
         # Peers: correctness of ours against them first.
         peer = {}
-        want_peers = ARGS.peers == "all" or (ARGS.peers == "core" and tier == "core")
+        want = peers_for(row)
         ref = None
-        if want_peers:
+        if "flex" in want:
             try:
-                fr = flex_runner(S, D, bq, bk, kind, cnt, idx, W)
-                ref = fr(qh, kh, vh).transpose(1, 2)
-                peer["flex"] = time_ms(lambda: fr(qh, kh, vh), ARGS.iters)
+                fr = flex_runner(row, x, qh, kh, vh)
+                ref = as_q(fr())
+                peer["flex"] = time_ms(fr, ARGS.iters)
             except Exception as e:  # noqa: BLE001
                 print(f"  flex failed on {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            if (kind == "random" and d == 1.0) or kind == "causal":
-                causal = kind == "causal"
-                try:
-                    cref = cudnn(qh, kh, vh, causal).transpose(1, 2)
-                    ref = cref if ref is None else ref
-                    peer["cudnn"] = time_ms(lambda: cudnn(qh, kh, vh, causal), ARGS.iters)
-                except Exception as e:  # noqa: BLE001
-                    print(f"  cudnn failed on {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                notes.append("flex failed")
+        if "cudnn" in want and ((kind == "random" and d == 1.0) or kind == "causal"):
+            causal = kind == "causal"
+            try:
+                cref = as_q(cudnn(qh, kh, vh, causal))
+                ref = cref if ref is None else ref
+                peer["cudnn"] = time_ms(lambda: cudnn(qh, kh, vh, causal), ARGS.iters)
+            except Exception as e:  # noqa: BLE001
+                print(f"  cudnn failed on {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                notes.append("cudnn failed")
         err = float("nan")
         if ref is not None:
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            if not err < 2e-2:
+            err = rel_err(out, ref)
+            if not err < TOL:
                 print(f"  MISMATCH {name}: rel L2 vs peer {err:.3e}", flush=True)
+        spot = spot_errors(row, x, {"bsattn": out})["bsattn"]
+        if not spot < TOL:
+            print(f"  MISMATCH {name}: bsattn rel L2 vs float32 reference {spot:.3e}", flush=True)
+            notes.append(f"bsattn vs reference {spot:.1e}")
+        fa4_spot = float("nan")
+        if "fa4" in want:
+            fa4_wanted = True
+            if fa4_ok:  # else: the note under the table says why its column is empty
+                try:
+                    f4 = peer_fa4.runner(kind, x.q, x.k, x.v, blk=x.blk, bq=row.bq, bk=row.bk, window=W, cu_seqlens=x.cu,
+                                         max_seqlen=max(row.docs) if row.docs else None)
+                    o4 = f4()
+                    torch.cuda.synchronize()
+                    e_ours = rel_err(o4, out)
+                    fa4_spot = spot_errors(row, x, {"fa4": o4})["fa4"]
+                    del o4
+                    if e_ours < TOL and fa4_spot < TOL:
+                        peer["fa4"] = time_ms(f4, ARGS.iters)
+                    else:
+                        print(f"  MISMATCH {name}: FlashAttention-4 rel L2 vs bsattn {e_ours:.3e}, vs reference "
+                              f"{fa4_spot:.3e}: not timed", flush=True)
+                        notes.append(f"fa4 mismatch (vs bsattn {e_ours:.1e}, vs reference {fa4_spot:.1e}): not timed")
+                except Exception as e:  # noqa: BLE001
+                    msg = f"{type(e).__name__}: {str(e)[:200]}"
+                    print(f"  FlashAttention-4 failed on {name}: {msg}", flush=True)
+                    notes.append(f"fa4 fails: {msg[:100]}")
+        run = lambda: ours(x, out)  # noqa: E731
         if ARGS.compare:
-            t, extra = compare_variants(name, S, D, bq, bk, kind, W, q, k, v, lse, cnt, idx, ref, out)
+            t, extra = compare_variants(row, x, ref, out)
         else:
             t = time_ms(run, ARGS.iters)
         ours.check()
         tf = flops / t / 1e9
+        dkey = (row.S, row.D, row.bq, row.bk, row.hs, row.hq)
         if kind == "random" and d == 1.0:
-            dense_time[S] = t
-        ratio_d = ""
-        if kind == "random" and S in dense_time:
-            ratio_d = f"{t / dense_time[S]:.3f}"
-        row = dict(name=name, ms=t, tflops=tf, err=err, ratio_d=ratio_d)
+            dense_time[dkey] = t
+        ratio_d = f"{t / dense_time[dkey]:.3f}" if kind == "random" and dkey in dense_time else ""
+        r = dict(name=name, ms=t, tflops=tf, err=err, spot=spot, fa4_spot=fa4_spot, ratio_d=ratio_d, notes=notes,
+                 kind=kind, dkey=dkey)
         for pn, pt in peer.items():
-            row[pn] = pt
-            row[pn + "_tf"] = flops / pt / 1e9
-        rows.append(row)
-        line = f"{name:28s} bsattn {t:8.3f} ms {tf:6.1f} TF/s" + (f"  err {err:.1e}" if err == err else "")
+            r[pn] = pt
+            r[pn + "_tf"] = flops / pt / 1e9
+        rows.append(r)
+        line = f"{name:36s} bsattn {t:8.3f} ms {tf:6.1f} TF/s" + (f"  err {err:.1e}" if err == err else "")
         if ARGS.compare:
             line += "".join(f" | variant{j + 1} {flops / e / 1e9:6.1f} TF/s x{t / e:.3f}" for j, e in enumerate(extra))
         for pn, pt in peer.items():
             line += f" | {pn} {pt:8.3f} ms {flops / pt / 1e9:6.1f} TF/s  x{pt / t:.2f}"
         print(line, flush=True)
-        del q, k, v, out, lse, qh, kh, vh, ref
+        del x, out, qh, kh, vh, ref
         torch.cuda.empty_cache()
 
-    # time(d) / time(1.0) per S (filled in once density 1.0 was timed: it comes last per S).
+    # time(d) / time(1.0) of random rows whose dense row (same S, D, blocks, heads) came later.
     for r in rows:
-        for S in dense_time:
-            if r["name"].startswith(f"S{S}-rand"):
-                r["ratio_d"] = f"{r['ms'] / dense_time[S]:.3f}"
-    hdr = "| config | bsattn ms | bsattn TF/s | FlexAttention ms (TF/s) | cuDNN ms (TF/s) | bsattn/Flex speed-up | bsattn/cuDNN speed-up | time(d)/time(1.0) | rel err vs peer |"
-    lines = [hdr, "|" + " --- |" * 9]
+        if r["kind"] == "random" and r["dkey"] in dense_time:
+            r["ratio_d"] = f"{r['ms'] / dense_time[r['dkey']]:.3f}"
+    hdr = ("| config | bsattn ms | bsattn TF/s | FlexAttention ms (TF/s) | cuDNN ms (TF/s) | FlashAttention-4 ms (TF/s) "
+           "| bsattn/Flex speed-up | bsattn/cuDNN speed-up | bsattn/FA4 speed-up | time(d)/time(1.0) | rel err vs peer "
+           "| rel err vs reference: bsattn / FA4 | notes |")
+    lines = [hdr, "|" + " --- |" * 13]
+
+    def e(v):
+        return "—" if v != v else format(v, ".1e")
     for r in rows:
-        fx = f"{r['flex']:.3f} ({r['flex_tf']:.0f})" if "flex" in r else "—"
-        cd = f"{r['cudnn']:.3f} ({r['cudnn_tf']:.0f})" if "cudnn" in r else "—"
-        sf = f"{r['flex'] / r['ms']:.2f}x" if "flex" in r else "—"
-        sc = f"{r['cudnn'] / r['ms']:.2f}x" if "cudnn" in r else "—"
-        lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | {fx} | {cd} | {sf} | {sc} | {r['ratio_d'] or '—'} | {'—' if r['err'] != r['err'] else format(r['err'], '.1e')} |")
+        sp = [f"{r[pn] / r['ms']:.2f}x" if pn in r else "—" for pn in PEER_NAMES]
+        lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | {fmt_peer(r, 'flex')} | {fmt_peer(r, 'cudnn')} "
+                     f"| {fmt_peer(r, 'fa4')} | {' | '.join(sp)} | {r['ratio_d'] or '—'} | {e(r['err'])} "
+                     f"| {e(r['spot'])} / {e(r['fa4_spot'])} | {'; '.join(r['notes']) or '—'} |")
+    if fa4_wanted and not fa4_ok:
+        lines.append(f"\nFlashAttention-4 not importable ({fa4_note}): its columns are empty "
+                     "(`source .peers/b/fa4-peer.sh install .peers` puts flash_attn.cute on PYTHONPATH).")
     table = "\n".join(lines)
     print(table)
     if ARGS.out:
