@@ -5,6 +5,7 @@
 #include "bsattn/plan.hpp"
 #include "bsattn/problem.hpp"
 #include "bsattn/select.hpp"
+#include "bsattn/selected.hpp"
 #include "bsattn/summary.hpp"
 #include "bsattn/tensor.hpp"
 #include "bsattn/varlen.hpp"

@@ -9,9 +9,8 @@
 #include "formats/validate.hpp"
 
 namespace bsattn::formats {
-namespace {
 
-void check_options(const SelectOptions& o) {
+void validate_select_options(const SelectOptions& o) {
   const int policy = static_cast<int>(o.policy);
   expect(policy >= 0 && policy <= static_cast<int>(SelectPolicy::mass), "options.policy",
          [&] { return "= " + str(policy) + " is not a known value"; });
@@ -32,8 +31,6 @@ void check_options(const SelectOptions& o) {
   expect(o.local >= 0, "options.local", [&] { return "= " + str(o.local) + ", expected at least 0"; });
 }
 
-}  // namespace
-
 Problem selection_geometry(const Problem& problem) {
   Problem g = problem;
   g.format = Format::all_blocks;
@@ -50,7 +47,7 @@ void validate_select(const Problem& problem, const TileShape& tiles, const Input
                      const TensorView& bits) {
   const Problem pb = selection_geometry(problem);
   validate_problem(pb, tiles);
-  check_options(o);
+  validate_select_options(o);
   const Extents e(pb);
   const auto given = [&](const char* name, const TensorView& t, const std::vector<Dim>& dims, DType dtype,
                          Access access) {

@@ -10,6 +10,9 @@ namespace bsattn::formats {
 // read (format, sets, mask, proxy) reset, so that only its geometry and layouts are checked.
 Problem selection_geometry(const Problem& problem);
 
+// The options alone: known enum values, top_k >= 1, finite tau, mass in (0, 1], sinks / local >= 0.
+void validate_select_options(const SelectOptions& options);
+
 // Structure always; with problem.validate also the sequence-length values and, varlen, that the
 // bitmask has at least total_m_blocks rows.
 void validate_select(const Problem& problem, const TileShape& tiles, const Inputs& inputs,
