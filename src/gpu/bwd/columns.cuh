@@ -11,7 +11,7 @@
 namespace bsattn::gpu::bwd {
 
 // Position of the route to KV tile `tile` in a row, or -1.
-__device__ __forceinline__ int find_route(const route::Route* routes, int count, int tile) {
+BSATTN_HD int find_route(const route::Route* routes, int count, int tile) {
   int lo = 0, hi = count;
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
@@ -21,6 +21,25 @@ __device__ __forceinline__ int find_route(const route::Route* routes, int count,
   return lo < count && routes[lo].index == tile ? lo : -1;
 }
 
+// The entry of column (bh = b * Hs + hs, kv_tile) for Q tile q_tile, if that row routes to the
+// KV tile (host and device: the host tests walk the same code).
+BSATTN_HD bool column_entry(const AttentionParams& a, int bh, const route::SeqInfo& si, int kv_tile, int q_tile,
+                            ColumnRoute& entry) {
+  const route::RouteParams& p = a.route;
+  if (q_tile * p.tile_m >= si.seqlen_q) return false;
+  const std::int64_t row = static_cast<std::int64_t>(bh) * p.max_q_tiles + q_tile;
+  const route::Route* routes = a.routes + row * p.capacity;
+  const int position = find_route(routes, a.route_counts[row], kv_tile);
+  if (position < 0) return false;
+  entry.q_tile = q_tile;
+  entry.position = position;
+  entry.rows = routes[position].rows;
+  entry.masked = routes[position].masked;
+  entry.reserved[0] = entry.reserved[1] = 0;
+  return true;
+}
+
+#if defined(__CUDACC__)
 constexpr int kColumnWarps = 4;
 
 __global__ void __launch_bounds__(32 * kColumnWarps)
@@ -38,28 +57,14 @@ __global__ void __launch_bounds__(32 * kColumnWarps)
   // An overflowing preparation leaves rows incomplete: the backward then writes nothing.
   const bool live = *overflow == 0 && kv_tile * p.tile_n < si.seqlen_kv;
   for (int base = 0; live && base * p.tile_m < si.seqlen_q; base += 32) {
-    const int q_tile = base + lane;
-    int position = -1;
-    route::Route r{};
-    if (q_tile * p.tile_m < si.seqlen_q) {
-      const std::int64_t row = static_cast<std::int64_t>(bh) * p.max_q_tiles + q_tile;
-      const route::Route* routes = a.routes + row * p.capacity;
-      position = find_route(routes, a.route_counts[row], kv_tile);
-      if (position >= 0) r = routes[position];
-    }
-    const unsigned hits = __ballot_sync(0xffffffffu, position >= 0);
-    if (position >= 0) {
-      ColumnRoute c;
-      c.q_tile = q_tile;
-      c.position = position;
-      c.rows = r.rows;
-      c.masked = r.masked;
-      c.reserved[0] = c.reserved[1] = 0;
-      dst[count + __popc(hits & ((1u << lane) - 1u))] = c;
-    }
+    ColumnRoute entry;
+    const bool hit = column_entry(a, bh, si, kv_tile, base + lane, entry);
+    const unsigned hits = __ballot_sync(0xffffffffu, hit);
+    if (hit) dst[count + __popc(hits & ((1u << lane) - 1u))] = entry;
     count += __popc(hits);
   }
   if (lane == 0) counts[column] = count;
 }
+#endif
 
 }  // namespace bsattn::gpu::bwd

@@ -51,19 +51,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   if (k0 >= owned && n_valid == 0) return;
   const int tid = threadIdx.x, wg = tid / 128;
 
-  StepWalk walk;
-  walk.columns = ws.columns;
-  walk.counts = ws.column_counts;
-  walk.column0 = static_cast<std::int64_t>(b) * p.sparsity_heads * max_kv_tiles + kv_tile;
-  walk.max_kv_tiles = max_kv_tiles;
-  walk.capacity = p.max_q_tiles;
-  const int group = p.heads_q / p.heads_kv;
-  walk.head_begin = hkv * group;
-  walk.head_end = walk.head_begin + group;
-  walk.heads_per_sparsity_head = p.heads_q / p.sparsity_heads;
-  walk.tile_m = p.tile_m;
-  walk.unit_m = p.unit_m;
-  walk.seqlen_q = si.seqlen_q;
+  const StepWalk walk =
+      StepWalk::for_cta(p, ws.columns, ws.column_counts, max_kv_tiles, b, hkv, kv_tile, si.seqlen_q);
   const std::int64_t q_rows = ws.geometry.q_rows;
   const std::int64_t packed_base = p.varlen_q ? si.q_base : static_cast<std::int64_t>(b) * p.max_seqlen_q;
 

@@ -1,6 +1,7 @@
 // The walk of one backward CTA (batch b, KV head hkv, KV tile): for each query head of the KV
 // head's group, the column of its sparsity head, and in each column entry (a Q tile that takes
-// this KV tile) the 64-row steps whose units take the route. Every thread walks it alike.
+// this KV tile) the 64-row steps whose units take the route. Every thread walks it alike (host
+// code too: the host tests check the walk against the row-major routes).
 #pragma once
 #include "bsattn/attention_params.hpp"
 #include "gpu/backward.hpp"
@@ -23,15 +24,35 @@ struct StepWalk {
   int head_begin, head_end, heads_per_sparsity_head;
   int tile_m, unit_m, seqlen_q;
 
+  // The walk of the CTA (b, hkv, kv_tile) over a column stream of max_kv_tiles tiles per
+  // (b, hs) and p.max_q_tiles entries per column.
+  BSATTN_HD static StepWalk for_cta(const route::RouteParams& p, const ColumnRoute* columns, const std::int32_t* counts,
+                                    int max_kv_tiles, int b, int hkv, int kv_tile, int seqlen_q) {
+    StepWalk w;
+    w.columns = columns;
+    w.counts = counts;
+    w.column0 = static_cast<std::int64_t>(b) * p.sparsity_heads * max_kv_tiles + kv_tile;
+    w.max_kv_tiles = max_kv_tiles;
+    w.capacity = p.max_q_tiles;
+    const int group = p.heads_q / p.heads_kv;
+    w.head_begin = hkv * group;
+    w.head_end = w.head_begin + group;
+    w.heads_per_sparsity_head = p.heads_q / p.sparsity_heads;
+    w.tile_m = p.tile_m;
+    w.unit_m = p.unit_m;
+    w.seqlen_q = seqlen_q;
+    return w;
+  }
+
   // Units of the Q tile (unit_m rows each) that overlap step `sub`'s 64 rows.
-  __device__ __forceinline__ unsigned step_units(int sub) const {
+  BSATTN_HD unsigned step_units(int sub) const {
     const int first = sub * 64 / unit_m, last = (sub * 64 + 63) / unit_m;
     return ((2u << last) - 1u) & ~((1u << first) - 1u);
   }
 
   // Moves s to the first step at or after (head, record, sub) whose rows lie in the sequence
   // and take the route; false at the end.
-  __device__ bool seek(Step& s) const {
+  BSATTN_HD bool seek(Step& s) const {
     for (; s.head < head_end; ++s.head, s.record = 0, s.sub = 0) {
       const std::int64_t column = column0 + static_cast<std::int64_t>(s.head / heads_per_sparsity_head) * max_kv_tiles;
       const int count = counts[column];
@@ -50,13 +71,13 @@ struct StepWalk {
     }
     return false;
   }
-  __device__ bool first(Step& s) const {
+  BSATTN_HD bool first(Step& s) const {
     s.head = head_begin;
     s.record = 0;
     s.sub = 0;
     return seek(s);
   }
-  __device__ bool next(Step& s) const {
+  BSATTN_HD bool next(Step& s) const {
     ++s.sub;
     return seek(s);
   }

@@ -1,0 +1,481 @@
+// GPU backward tests (run on an SM90 device; skipped elsewhere): dQ, dK, dV of the GPU backward
+// against the CPU engine's backward (itself checked against the float64 oracle) on random
+// problems of every format (block lists, varlen block lists, BSR, bitmask, all blocks), batched
+// and varlen (empty sequences), GQA/MQA, built-in masks, tails, empty rows, D 64/128/256, blocks
+// of 16-128; O and LSE come from the CPU forward, dO (and dLSE in half the cases) are random.
+// Gradients are poisoned before each GPU run and every element is checked. The deterministic
+// mode repeats bit for bit. Bad input: an error naming the argument, gradients untouched.
+// GpuBackwardHost.* runs without a GPU: the kernels' index logic (column stream, step walk, dQ
+// order positions) on the host against the row-major routes.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "bsattn/backward.hpp"
+#include "bsattn/route/prepare.hpp"
+#include "formats/bind.hpp"
+#include "gpu/bwd/columns.cuh"
+#include "gpu/bwd/steps.cuh"
+#include "gpu_case.hpp"
+
+namespace bsattn_gpu_test {
+namespace {
+
+struct BackwardSpec {
+  CaseSpec forward;
+  bool dlse = false;
+  bool f32_gradients = false;  // dq, dk, dv in f32 (else the input dtype)
+  bool deterministic = false;
+};
+
+// One random problem with its forward done on the CPU, dO (and dLSE) drawn, and gradient buffers
+// on both sides (the CPU backward writes their host copies, the GPU their device copies).
+struct BackwardCase {
+  std::unique_ptr<Case> c;
+  Buffer *dout = nullptr, *dlse = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
+  BackwardInputs in_host, in_device;
+  Gradients grads_host, grads_device;
+};
+
+std::unique_ptr<BackwardCase> make_backward_case(const BackwardSpec& spec) {
+  auto bc = std::make_unique<BackwardCase>();
+  bc->c = make_case(spec.forward);
+  Case& c = *bc->c;
+  c.problem.deterministic = spec.deterministic;
+  c.name += std::string(spec.dlse ? " dlse" : "") + (spec.f32_gradients ? " f32-grads" : "") +
+            (spec.deterministic ? " deterministic" : "");
+  {  // O and LSE of the forward, by the CPU engine, on both sides.
+    Problem p = c.problem;
+    p.device = Device::cpu;
+    p.validate = true;
+    Plan(p).run(c.in_host, c.out_host);
+    c.out->upload();
+    c.lse->upload();
+  }
+  std::mt19937_64 rng(spec.forward.seed * 7919 + 1);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  bc->dout = c.add(c.problem.out_dtype, c.out->shape);
+  auto* bits = bc->dout->as<std::uint16_t>();
+  for (std::size_t i = 0; i < bc->dout->bytes() / 2; ++i) bits[i] = to_bits(nd(rng), c.problem.out_dtype);
+  bc->dout->upload();
+  if (spec.dlse) {
+    bc->dlse = c.add(DType::f32, c.lse->shape);
+    for (std::size_t i = 0; i < bc->dlse->bytes() / 4; ++i) bc->dlse->as<float>()[i] = 0.5f * nd(rng);
+    bc->dlse->upload();
+  }
+  const DType gt = spec.f32_gradients ? DType::f32 : c.problem.dtype;
+  bc->dq = c.add(gt, c.q->shape);
+  bc->dk = c.add(gt, c.k->shape);
+  bc->dv = c.add(gt, c.v->shape);
+  for (Buffer* b : {bc->dq, bc->dk, bc->dv}) b->upload();
+  const auto side = [&](Device d, BackwardInputs& in, Gradients& g) {
+    in.out = c.out->view(d);
+    in.lse = c.lse->view(d);
+    in.dout = bc->dout->view(d);
+    if (bc->dlse) in.dlse = bc->dlse->view(d);
+    g.dq = bc->dq->view(d);
+    g.dk = bc->dk->view(d);
+    g.dv = bc->dv->view(d);
+  };
+  side(Device::cpu, bc->in_host, bc->grads_host);
+  side(Device::cuda, bc->in_device, bc->grads_device);
+  return bc;
+}
+
+float element(const std::vector<unsigned char>& bytes, DType dt, std::size_t i) {
+  const auto* h = reinterpret_cast<const std::uint16_t*>(bytes.data());
+  switch (dt) {
+    case DType::bf16: return cpu::bf16_to_float(h[i]);
+    case DType::f16: return cpu::half_to_float(h[i]);
+    default: return reinterpret_cast<const float*>(bytes.data())[i];
+  }
+}
+
+std::vector<unsigned char> device_bytes(const Buffer* b) {
+  std::vector<unsigned char> out(b->bytes());
+  cudaMemcpy(out.data(), b->device, out.size(), cudaMemcpyDeviceToHost);
+  return out;
+}
+
+void poison_gradients(BackwardCase& bc) {
+  for (Buffer* b : {bc.dq, bc.dk, bc.dv}) cudaMemset(b->device, 0xff, b->bytes());
+}
+
+struct GpuGradients {
+  std::vector<unsigned char> dq, dk, dv;
+};
+
+GpuGradients run_gpu_backward(BackwardCase& bc) {
+  poison_gradients(bc);
+  Plan plan(bc.c->problem);
+  plan.run_backward(bc.c->in_device, bc.in_device, bc.grads_device, nullptr);
+  plan.check(nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return {device_bytes(bc.dq), device_bytes(bc.dk), device_bytes(bc.dv)};
+}
+
+void run_cpu_backward(BackwardCase& bc) {
+  Problem p = bc.c->problem;
+  p.device = Device::cpu;
+  p.validate = true;
+  for (Buffer* b : {bc.dq, bc.dk, bc.dv}) std::fill(b->host.begin(), b->host.end(), 0xff);
+  Plan(p).run_backward(bc.c->in_host, bc.in_host, bc.grads_host);
+}
+
+// Every element of the first `valid_rows` token rows (varlen: the packed rows that belong to
+// sequences; batched: all) against the reference, at bf16/f16 tolerance: the GPU rounds P and dS
+// to the input dtype for its GEMMs, the CPU keeps them in fp32.
+void expect_gradient_close(const char* name, const std::string& case_name, const Buffer* b,
+                           const std::vector<unsigned char>& gpu, std::size_t valid_rows) {
+  const std::size_t per_row = static_cast<std::size_t>(b->shape[b->shape.size() - 2] * b->shape.back());
+  const std::size_t n = std::min(b->bytes() / element_size(b->dtype), valid_rows * per_row);
+  double ref2 = 0;
+  for (std::size_t i = 0; i < n; ++i) ref2 += double(element(b->host, b->dtype, i)) * element(b->host, b->dtype, i);
+  const double rms = std::sqrt(ref2 / std::max<std::size_t>(n, 1));
+  double err2 = 0, max_err = 0;
+  std::size_t bad = 0, first_bad = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float g = element(gpu, b->dtype, i), r = element(b->host, b->dtype, i);
+    const double e = std::fabs(double(g) - r);
+    if (!std::isfinite(g) || e > 0.05 * rms + 0.03 * std::fabs(r) + 1e-6) {
+      if (!bad) first_bad = i;
+      ++bad;
+    }
+    if (std::isfinite(g)) max_err = std::max(max_err, e);
+    err2 += e * e;
+  }
+  EXPECT_EQ(bad, 0u) << case_name << ": " << name << ": " << bad << " of " << n << " bad; first at " << first_bad
+                     << " (row " << first_bad / per_row << ") gpu " << element(gpu, b->dtype, first_bad) << " ref "
+                     << element(b->host, b->dtype, first_bad) << "; max err " << max_err << ", rms " << rms;
+  EXPECT_LE(std::sqrt(err2 / std::max(ref2, 1e-30)), 2e-2) << case_name << ": " << name;
+}
+
+std::size_t q_rows(const Case& c) {
+  return c.varlen() ? static_cast<std::size_t>(c.problem.total_q) : ~std::size_t(0);
+}
+std::size_t kv_rows(const Case& c) {
+  return c.varlen() ? static_cast<std::size_t>(c.problem.total_kv) : ~std::size_t(0);
+}
+
+void check_backward(const BackwardSpec& spec) {
+  auto bc = make_backward_case(spec);
+  const Case& c = *bc->c;
+  SCOPED_TRACE(c.name);
+  const GpuGradients gpu = run_gpu_backward(*bc);
+  run_cpu_backward(*bc);
+  expect_gradient_close("dq", c.name, bc->dq, gpu.dq, q_rows(c));
+  expect_gradient_close("dk", c.name, bc->dk, gpu.dk, kv_rows(c));
+  expect_gradient_close("dv", c.name, bc->dv, gpu.dv, kv_rows(c));
+}
+
+struct Sweep {
+  Format format;
+  bool varlen;
+};
+const Sweep kSweeps[] = {{Format::all_blocks, false}, {Format::block_lists, false}, {Format::varlen_block_lists, true},
+                         {Format::bsr, false},        {Format::bsr, true},          {Format::bitmask, false},
+                         {Format::bitmask, true},     {Format::all_blocks, true},   {Format::block_lists, true}};
+
+TEST(GpuBackward, EveryFormatBf16D128) {
+  REQUIRE_SM90();
+  std::uint64_t seed = 31000;
+  for (const Sweep& s : kSweeps)
+    for (int rep = 0; rep < 3; ++rep) {
+      BackwardSpec spec;
+      spec.forward.format = s.format;
+      spec.forward.varlen = s.varlen;
+      spec.forward.seed = seed++;
+      spec.dlse = rep == 1;
+      spec.f32_gradients = rep == 2;
+      check_backward(spec);
+    }
+}
+
+// Head dims, dtypes, Q/KV blocks of 16..128 (Q tiles of 64 and 128; 64- and 128-wide KV tiles,
+// 48 -> a masked 64-wide tile), GQA / MQA / MHA, every mask drawn.
+TEST(GpuBackward, DtypesHeadDimsBlocksAndGqa) {
+  REQUIRE_SM90();
+  struct Shape {
+    int d, bq, bk, hq, hkv;
+  };
+  const Shape shapes[] = {{64, 64, 64, 4, 2},   {64, 128, 128, 4, 1}, {128, 64, 128, 2, 2}, {128, 128, 64, 8, 2},
+                          {128, 32, 48, 4, 4},  {128, 16, 128, 6, 3}, {256, 64, 64, 2, 1},  {256, 128, 128, 4, 2},
+                          {64, 128, 256, 4, 2}, {128, 256, 32, 2, 1}};
+  std::uint64_t seed = 32000;
+  for (const Shape& sh : shapes)
+    for (DType dt : {DType::bf16, DType::f16})
+      for (int rep = 0; rep < 2; ++rep) {
+        BackwardSpec spec;
+        spec.forward.format = rep ? Format::bsr : Format::block_lists;
+        spec.forward.varlen = rep == 1;
+        spec.forward.dtype = dt;
+        spec.forward.head_dim = sh.d;
+        spec.forward.bq = sh.bq;
+        spec.forward.bk = sh.bk;
+        spec.forward.hq = sh.hq;
+        spec.forward.hkv = sh.hkv;
+        spec.forward.seed = seed++;
+        spec.dlse = (seed % 2) == 0;
+        check_backward(spec);
+      }
+}
+
+// Every built-in mask (none, causal, causal + window, window + sinks, documents, KV validity
+// bits) on batched and varlen problems; dense enough that masked tiles meet full ones.
+TEST(GpuBackward, Masks) {
+  REQUIRE_SM90();
+  std::uint64_t seed = 33000;
+  for (int mask = 0; mask <= 5; ++mask)
+    for (int varlen = 0; varlen < 2; ++varlen) {
+      BackwardSpec spec;
+      spec.forward.format = varlen ? Format::varlen_block_lists : Format::bitmask;
+      spec.forward.varlen = varlen;
+      spec.forward.mask = mask;
+      spec.forward.density = 0.8;
+      spec.forward.max_seqlen = 500;
+      spec.forward.bq = mask % 2 ? 64 : 128;
+      spec.forward.bk = mask % 3 ? 128 : 64;
+      spec.forward.seed = seed++;
+      check_backward(spec);
+    }
+}
+
+// Many KV tiles and Q tiles (long sequences, dense): the column walk over many entries, both
+// warpgroups' dK/dV over many steps, the dQ accumulation from many CTAs.
+TEST(GpuBackward, LongerSequences) {
+  REQUIRE_SM90();
+  for (int i = 0; i < 3; ++i) {
+    BackwardSpec spec;
+    spec.forward.format = i == 0 ? Format::all_blocks : Format::block_lists;
+    spec.forward.density = 0.7;
+    spec.forward.max_seqlen = 1500;
+    spec.forward.mask = i == 1 ? 1 : 0;
+    spec.forward.hq = 4;
+    spec.forward.hkv = 1;
+    spec.forward.seed = 34000 + i;
+    check_backward(spec);
+  }
+}
+
+// The deterministic mode: two runs give the same bits (and match the CPU like the default mode).
+TEST(GpuBackward, DeterministicRepeatsBitForBit) {
+  REQUIRE_SM90();
+  std::uint64_t seed = 35000;
+  for (const Sweep& s : kSweeps) {
+    BackwardSpec spec;
+    spec.forward.format = s.format;
+    spec.forward.varlen = s.varlen;
+    spec.forward.max_seqlen = 700;
+    spec.forward.hq = 4;
+    spec.forward.hkv = 1;  // four heads' dQ rows from many KV tiles
+    spec.forward.bq = seed % 2 ? 64 : 128;
+    spec.forward.seed = seed++;
+    spec.deterministic = true;
+    spec.dlse = true;
+    auto bc = make_backward_case(spec);
+    SCOPED_TRACE(bc->c->name);
+    const GpuGradients first = run_gpu_backward(*bc);
+    const GpuGradients second = run_gpu_backward(*bc);
+    EXPECT_TRUE(first.dq == second.dq) << "dq differs between two deterministic runs";
+    EXPECT_TRUE(first.dk == second.dk) << "dk differs between two deterministic runs";
+    EXPECT_TRUE(first.dv == second.dv) << "dv differs between two deterministic runs";
+    run_cpu_backward(*bc);
+    expect_gradient_close("dq", bc->c->name, bc->dq, first.dq, q_rows(*bc->c));
+    expect_gradient_close("dk", bc->c->name, bc->dk, first.dk, kv_rows(*bc->c));
+    expect_gradient_close("dv", bc->c->name, bc->dv, first.dv, kv_rows(*bc->c));
+  }
+}
+
+// One plan runs the forward and then the backward on its routes, as the Python autograd does.
+TEST(GpuBackward, SamePlanForwardThenBackward) {
+  REQUIRE_SM90();
+  BackwardSpec spec;
+  spec.forward.format = Format::bitmask;
+  spec.forward.mask = 1;
+  spec.forward.seed = 36000;
+  auto bc = make_backward_case(spec);
+  SCOPED_TRACE(bc->c->name);
+  Plan plan(bc->c->problem);
+  plan.run(bc->c->in_device, bc->c->out_device, nullptr);  // O and LSE again, on the GPU
+  poison_gradients(*bc);
+  plan.run_backward(bc->c->in_device, bc->in_device, bc->grads_device, nullptr);
+  plan.check(nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  const GpuGradients gpu{device_bytes(bc->dq), device_bytes(bc->dk), device_bytes(bc->dv)};
+  run_cpu_backward(*bc);
+  expect_gradient_close("dq", bc->c->name, bc->dq, gpu.dq, q_rows(*bc->c));
+  expect_gradient_close("dk", bc->c->name, bc->dk, gpu.dk, kv_rows(*bc->c));
+  expect_gradient_close("dv", bc->c->name, bc->dv, gpu.dv, kv_rows(*bc->c));
+}
+
+// Bad input: a clear error naming the argument, and no gradient written.
+TEST(GpuBackward, BadInputWritesNothing) {
+  REQUIRE_SM90();
+  BackwardSpec spec;
+  spec.forward.seed = 37000;
+  auto bc = make_backward_case(spec);
+  Case& c = *bc->c;
+  const auto untouched = [&](const char* what) {
+    for (Buffer* b : {bc->dq, bc->dk, bc->dv}) {
+      const std::vector<unsigned char> now = device_bytes(b);
+      EXPECT_TRUE(std::all_of(now.begin(), now.end(), [](unsigned char x) { return x == 0xff; })) << what;
+    }
+  };
+  const auto expect_error = [&](const Problem& problem, const BackwardInputs& in, const Gradients& g,
+                                const std::string& argument) {
+    poison_gradients(*bc);
+    try {
+      Plan plan(problem);
+      plan.run_backward(c.in_device, in, g, nullptr);
+      ADD_FAILURE() << "no error for " << argument;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), argument) << e.what();
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    untouched(argument.c_str());
+  };
+  {  // dO of the wrong shape
+    BackwardInputs in = bc->in_device;
+    in.dout.shape[in.dout.rank - 1] /= 2;
+    expect_error(c.problem, in, bc->grads_device, "backward.dout");
+  }
+  {  // LSE missing
+    BackwardInputs in = bc->in_device;
+    in.lse = TensorView{};
+    expect_error(c.problem, in, bc->grads_device, "backward.lse");
+  }
+  {  // dk of the wrong dtype
+    Buffer* wrong = c.add(DType::u32, bc->dk->shape);
+    wrong->upload();
+    Gradients g = bc->grads_device;
+    g.dk = wrong->view(Device::cuda);
+    expect_error(c.problem, bc->in_device, g, "gradients.dk");
+  }
+  {  // f32 output: the GPU backward reads O and dO in the input dtype
+    Problem p = c.problem;
+    p.out_dtype = DType::f32;
+    Buffer* out32 = c.add(DType::f32, c.out->shape);
+    Buffer* dout32 = c.add(DType::f32, c.out->shape);
+    out32->upload();
+    dout32->upload();
+    BackwardInputs in = bc->in_device;
+    in.out = out32->view(Device::cuda);
+    in.dout = dout32->view(Device::cuda);
+    expect_error(p, in, bc->grads_device, "problem.out_dtype");
+  }
+}
+
+// The backward kernels' index logic, on the host: the column stream built by column_entry() in
+// ascending Q-tile order (what the warp ballot of build_columns_kernel appends), every CTA's
+// StepWalk (with the kernel's early exit), against the steps the row-major routes imply: each
+// (route, 64-row step whose units take the route) walked exactly once by the CTA of its KV tile
+// and KV head, and every route position of a row seen (so the deterministic dQ semaphores reach
+// the route count).
+TEST(GpuBackwardHost, ColumnWalkCoversEveryRouteOnce) {
+  using bsattn::gpu::ColumnRoute;
+  using bsattn::gpu::bwd::StepWalk;
+  struct Shape {
+    int bq, bk, hq, hkv;
+  };
+  const Shape shapes[] = {{128, 128, 4, 2}, {64, 64, 4, 1}, {32, 48, 6, 3}, {16, 128, 2, 2}, {256, 256, 8, 2},
+                          {128, 32, 2, 1}};
+  std::uint64_t seed = 38000;
+  std::size_t total_steps = 0;
+  for (const Sweep& sw : kSweeps)
+    for (const Shape& sh : shapes) {
+      CaseSpec spec;
+      spec.format = sw.format;
+      spec.varlen = sw.varlen;
+      spec.bq = sh.bq;
+      spec.bk = sh.bk;
+      spec.hq = sh.hq;
+      spec.hkv = sh.hkv;
+      spec.max_seqlen = 400;
+      spec.seed = seed++;
+      auto c = make_case(spec);
+      SCOPED_TRACE(c->name);
+      const TileShape tiles = choose_tiles(c->problem);  // the GPU plan's tiles
+      const int capacity = std::max(1, c->max_kv_blocks() * tiles.kv_split);
+      AttentionParams a = formats::bind(c->problem, tiles, capacity, c->in_host, c->out_host);
+      route::RouteParams& p = a.route;
+      std::vector<std::int32_t> cu_m(c->batch() + 1), cu_i(c->batch() + 1);
+      if (p.varlen_q && p.format != route::SetFormat::all_blocks && p.format != route::SetFormat::block_lists) {
+        route::varlen_block_offsets(p, cu_m.data(), cu_i.data());
+        p.cu_total_m_blocks = cu_m.data();
+        p.cu_block_idx_offsets = cu_i.data();
+      }
+      std::vector<route::Route> routes(static_cast<std::size_t>(a.route_rows) * capacity);
+      std::vector<std::int32_t> counts(a.route_rows);
+      for (int r = 0; r < a.route_rows; ++r)
+        counts[r] = std::min(capacity, route::prepare_row(p, r, routes.data() + static_cast<std::size_t>(r) * capacity));
+      a.routes = routes.data();
+      a.route_counts = counts.data();
+
+      const int kv_tiles = route::ceil_div(p.max_seqlen_kv, p.tile_n);
+      const std::size_t columns = static_cast<std::size_t>(p.batch) * p.sparsity_heads * kv_tiles;
+      std::vector<ColumnRoute> column_entries(columns * p.max_q_tiles);
+      std::vector<std::int32_t> column_counts(columns, 0);
+      for (std::size_t col = 0; col < columns; ++col) {
+        const int kv_tile = static_cast<int>(col % kv_tiles), bh = static_cast<int>(col / kv_tiles);
+        const route::SeqInfo si = route::seq_info(p, bh / p.sparsity_heads);
+        if (kv_tile * p.tile_n >= si.seqlen_kv) continue;
+        for (int q_tile = 0; q_tile * p.tile_m < si.seqlen_q; ++q_tile) {
+          ColumnRoute e;
+          if (bsattn::gpu::bwd::column_entry(a, bh, si, kv_tile, q_tile, e))
+            column_entries[col * p.max_q_tiles + column_counts[col]++] = e;
+        }
+      }
+
+      // (b, head, q_tile, kv_tile, sub, rows, masked, position)
+      using StepKey = std::tuple<int, int, int, int, int, int, int, int>;
+      std::multiset<StepKey> walked, expected;
+      for (int b = 0; b < p.batch; ++b) {
+        const route::SeqInfo si = route::seq_info(p, b);
+        const int owned = p.varlen_kv ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : si.seqlen_kv;
+        for (int hkv = 0; hkv < p.heads_kv; ++hkv)
+          for (int kv_tile = 0; kv_tile < kv_tiles; ++kv_tile) {
+            const int k0 = kv_tile * p.tile_n, n_valid = std::max(0, std::min(p.tile_n, si.seqlen_kv - k0));
+            if (k0 >= owned && n_valid == 0) continue;  // the kernel's early exit
+            if (n_valid == 0) continue;                  // it walks nothing then (stores zeros)
+            const StepWalk walk = StepWalk::for_cta(p, column_entries.data(), column_counts.data(), kv_tiles, b, hkv,
+                                                    kv_tile, si.seqlen_q);
+            bsattn::gpu::bwd::Step s;
+            for (bool ok = walk.first(s); ok; ok = walk.next(s)) {
+              EXPECT_EQ(s.q0, s.route.q_tile * p.tile_m + s.sub * 64);
+              walked.insert({b, s.head, s.route.q_tile, kv_tile, s.sub, s.route.rows, s.route.masked, s.route.position});
+            }
+          }
+        const StepWalk units = StepWalk::for_cta(p, nullptr, nullptr, kv_tiles, b, 0, 0, si.seqlen_q);
+        for (int h = 0; h < p.heads_q; ++h) {
+          const int hs = h / (p.heads_q / p.sparsity_heads);
+          for (int q_tile = 0; q_tile * p.tile_m < si.seqlen_q; ++q_tile) {
+            const int row = (b * p.sparsity_heads + hs) * p.max_q_tiles + q_tile;
+            for (int i = 0; i < counts[row]; ++i) {
+              const route::Route& r = routes[static_cast<std::size_t>(row) * capacity + i];
+              bool any = false;
+              for (int sub = 0; sub * 64 < p.tile_m; ++sub) {
+                const int q0 = q_tile * p.tile_m + sub * 64;
+                if (q0 >= si.seqlen_q || !(r.rows & units.step_units(sub))) continue;
+                expected.insert({b, h, q_tile, r.index, sub, r.rows, r.masked, i});
+                any = true;
+              }
+              EXPECT_TRUE(any) << "route " << i << " of row " << row << " has no step: its dQ position would never be released";
+            }
+          }
+        }
+      }
+      EXPECT_EQ(walked.size(), expected.size());
+      EXPECT_TRUE(walked == expected) << "the column walk differs from the row-major routes";
+      total_steps += walked.size();
+    }
+  EXPECT_GT(total_steps, 0u);
+}
+
+}  // namespace
+}  // namespace bsattn_gpu_test
