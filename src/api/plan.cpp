@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "bsattn/backward.hpp"
@@ -162,6 +164,13 @@ struct Plan::Impl {
                     Plan::CpuBackwardEngine engine, const void* context);
   cpu::Workspace cpu_workspace();
   void run_gpu(const Inputs& inputs, const Outputs& outputs, Stream stream);
+  // validate_structure reads only the problem and the views, so a run() whose views are
+  // byte-identical to the latest checked ones (the same tensors again) skips it (issue 14.3).
+  // Equal bytes imply equal members; differing padding only costs a check.
+  void check_structure_once(const Inputs& inputs, const Outputs& outputs);
+  Inputs checked_inputs;
+  Outputs checked_outputs;
+  bool structure_checked = false;
   void prepare_gpu_routes(AttentionParams& a, Stream stream);
   void run_backward_gpu(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
                         Stream stream);
@@ -318,7 +327,7 @@ void Plan::Impl::run_backward(const Inputs& inputs, const BackwardInputs& backwa
 // Plan::check() reports it. With validation (which already copies metadata to the host) run()
 // waits for route preparation and throws on overflow before attention is launched.
 void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream stream) {
-  formats::validate_structure(problem, inputs, outputs);
+  check_structure_once(inputs, outputs);
   if (problem.validate) formats::validate_values(problem, tiles, inputs);
   AttentionParams a = formats::bind(problem, tiles, capacity, inputs, outputs);
   DeviceGuard guard(problem.device_index);
@@ -369,6 +378,18 @@ void Plan::Impl::run_backward_gpu(const Inputs& inputs, const BackwardInputs& ba
   if (problem.validate) check_gpu(stream);
   cuda_check(gpu::run_backward(g, ws.backward, ws.overflow, problem.deterministic, static_cast<cudaStream_t>(stream)),
              "backward kernel launch");
+}
+
+void Plan::Impl::check_structure_once(const Inputs& inputs, const Outputs& outputs) {
+  static_assert(std::is_trivially_copyable_v<Inputs> && std::is_trivially_copyable_v<Outputs>, "kept as bytes");
+  if (structure_checked && std::memcmp(&inputs, &checked_inputs, sizeof inputs) == 0 &&
+      std::memcmp(&outputs, &checked_outputs, sizeof outputs) == 0)
+    return;
+  structure_checked = false;
+  formats::validate_structure(problem, inputs, outputs);
+  std::memcpy(&checked_inputs, &inputs, sizeof inputs);  // padding too, so the same caller's bytes compare equal
+  std::memcpy(&checked_outputs, &outputs, sizeof outputs);
+  structure_checked = true;
 }
 
 void Plan::Impl::check_gpu(Stream stream) {
