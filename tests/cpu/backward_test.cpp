@@ -485,9 +485,10 @@ TEST(BackwardValidation, NamesTheArgumentAndWritesNothing) {
   EXPECT_EQ(r.argument([](P&, I& in, B&, G&) { in.q.shape[0] += 1; }), "q");          // the forward's own rules
 }
 
-// A GPU plan has no backward yet: refused on problem.device before anything is read. Skipped
-// where no GPU plan can be made (a CPU-only build, no device).
-TEST(BackwardValidation, GpuPlansAreRefused) {
+// A GPU plan has a backward (tests/gpu/gpu_backward_test.cpp); given host tensors it refuses
+// them, naming the first one it checks, before anything is read or written. Skipped where no GPU
+// plan can be made (a CPU-only build, no device).
+TEST(BackwardValidation, GpuPlansRefuseHostTensors) {
   CaseOptions options;
   options.varlen = false;
   options.custom_mask = false;
@@ -507,9 +508,10 @@ TEST(BackwardValidation, GpuPlansAreRefused) {
   }
   try {
     plan.run_backward(bc->c->inputs, bc->backward, bc->gradients);
-    FAIL() << "a GPU backward was accepted";
+    FAIL() << "host tensors were accepted by a GPU plan";
   } catch (const bsattn::Error& e) {
-    EXPECT_EQ(e.argument(), "problem.device") << e.what();
+    EXPECT_EQ(e.argument(), "backward.out") << e.what();
+    EXPECT_NE(std::string(e.what()).find("is on cpu"), std::string::npos) << e.what();
   }
 }
 
