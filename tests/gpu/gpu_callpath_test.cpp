@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -174,6 +175,45 @@ TEST(GpuCallPath, OnePlanFollowsNewAddressesValuesAndStreams) {
   for (Buffer* b : {c->q, c->k, c->v}) b->upload();
   expect_matches_cpu(*c, c->in_device, c->out_device, plan, side, "first addresses again");
   CUDA_OK(cudaStreamDestroy(side));
+}
+
+// A plan skips the structural checks for views identical to the latest checked ones; any changed
+// view is checked again and refused before anything is written.
+TEST(GpuCallPath, ChangedViewsAreCheckedAgain) {
+  REQUIRE_SM90();
+  CaseSpec spec;
+  spec.format = Format::all_blocks;
+  spec.mask = 1;
+  spec.batch = 1;
+  spec.seed = 1415;
+  auto c = make_case(spec);
+  Problem p = c->problem;
+  p.validate = false;
+  Plan plan(p);
+  plan.run(c->in_device, c->out_device, nullptr);
+  plan.run(c->in_device, c->out_device, nullptr);  // identical views
+  plan.check(nullptr);
+  const auto expect_refused = [&](const Inputs& in, const Outputs& out, const std::string& argument) {
+    CUDA_OK(cudaMemset(c->out->device, 0xff, c->out->bytes()));
+    try {
+      plan.run(in, out, nullptr);
+      ADD_FAILURE() << "run() accepted a bad " << argument;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), argument) << e.what();
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<unsigned char> bytes(c->out->bytes());
+    CUDA_OK(cudaMemcpy(bytes.data(), c->out->device, bytes.size(), cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [](unsigned char b) { return b == 0xff; }))
+        << "a refused run wrote output";
+  };
+  Inputs misaligned = c->in_device;  // same shapes and strides, base 2 bytes off
+  misaligned.q.data = static_cast<char*>(misaligned.q.data) + 2;
+  expect_refused(misaligned, c->out_device, "q");
+  Outputs aliased = c->out_device;  // the output over K
+  aliased.out.data = c->in_device.k.data;
+  expect_refused(c->in_device, aliased, "outputs.out");  // refused before any write
+  expect_matches_cpu(*c, c->in_device, c->out_device, plan, nullptr, "the checked views again");
 }
 
 }  // namespace
