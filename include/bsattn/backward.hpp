@@ -1,8 +1,8 @@
 // The backward pass (gradients of attention): dQ, dK, dV from the forward's inputs, its outputs O
 // and LSE, and dO. The same Problem and Inputs as the forward select the same attended pairs
 // (every format, partial and full sets, built-in masks, custom functors via custom_mask.hpp,
-// GQA/MQA, batched and varlen layouts). CPU engine only for now; paged KV and proxy
-// compensation have no backward.
+// GQA/MQA, batched and varlen layouts). CPU engine, and GPU plans (f16 / bf16 with out_dtype =
+// dtype; no custom functors: docs/GPU.md); paged KV and proxy compensation have no backward.
 #pragma once
 #include "bsattn/plan.hpp"
 
