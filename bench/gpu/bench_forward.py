@@ -422,6 +422,30 @@ def fmt_peer(r, pn):
     return f"{r[pn]:.3f} ({r[pn + '_tf']:.0f})" if pn in r else "—"
 
 
+def table_of(rows, dense_time, fa4_note):
+    """The markdown result table (fa4_note: why FlashAttention-4's columns are empty, or None)."""
+    # time(d) / time(1.0) of random rows whose dense row (same S, D, blocks, heads) came later.
+    for r in rows:
+        if r["kind"] == "random" and r["dkey"] in dense_time:
+            r["ratio_d"] = f"{r['ms'] / dense_time[r['dkey']]:.3f}"
+    hdr = ("| config | bsattn ms | bsattn TF/s | FlexAttention ms (TF/s) | cuDNN ms (TF/s) | FlashAttention-4 ms (TF/s) "
+           "| bsattn/Flex speed-up | bsattn/cuDNN speed-up | bsattn/FA4 speed-up | time(d)/time(1.0) | rel err vs peer "
+           "| rel err vs reference: bsattn / FA4 | notes |")
+    lines = [hdr, "|" + " --- |" * 13]
+
+    def e(v):
+        return "—" if v != v else format(v, ".1e")
+    for r in rows:
+        sp = [f"{r[pn] / r['ms']:.2f}x" if pn in r else "—" for pn in PEER_NAMES]
+        lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | {fmt_peer(r, 'flex')} | {fmt_peer(r, 'cudnn')} "
+                     f"| {fmt_peer(r, 'fa4')} | {' | '.join(sp)} | {r['ratio_d'] or '—'} | {e(r['err'])} "
+                     f"| {e(r['spot'])} / {e(r['fa4_spot'])} | {'; '.join(r['notes']) or '—'} |")
+    if fa4_note:
+        lines.append(f"\nFlashAttention-4 not importable ({fa4_note}): its columns are empty "
+                     "(`source .peers/b/fa4-peer.sh install .peers` puts flash_attn.cute on PYTHONPATH).")
+    return "\n".join(lines)
+
+
 def main():
     fa4_ok, fa4_note = peer_fa4.available()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
@@ -529,29 +553,13 @@ def main():
         for pn, pt in peer.items():
             line += f" | {pn} {pt:8.3f} ms {flops / pt / 1e9:6.1f} TF/s  x{pt / t:.2f}"
         print(line, flush=True)
+        if ARGS.out:  # after every row, so that a run cut short by a time limit leaves its table
+            with open(ARGS.out, "w") as f:
+                f.write(table_of(rows, dense_time, None) + "\n")
         del x, out, qh, kh, vh, ref
         torch.cuda.empty_cache()
 
-    # time(d) / time(1.0) of random rows whose dense row (same S, D, blocks, heads) came later.
-    for r in rows:
-        if r["kind"] == "random" and r["dkey"] in dense_time:
-            r["ratio_d"] = f"{r['ms'] / dense_time[r['dkey']]:.3f}"
-    hdr = ("| config | bsattn ms | bsattn TF/s | FlexAttention ms (TF/s) | cuDNN ms (TF/s) | FlashAttention-4 ms (TF/s) "
-           "| bsattn/Flex speed-up | bsattn/cuDNN speed-up | bsattn/FA4 speed-up | time(d)/time(1.0) | rel err vs peer "
-           "| rel err vs reference: bsattn / FA4 | notes |")
-    lines = [hdr, "|" + " --- |" * 13]
-
-    def e(v):
-        return "—" if v != v else format(v, ".1e")
-    for r in rows:
-        sp = [f"{r[pn] / r['ms']:.2f}x" if pn in r else "—" for pn in PEER_NAMES]
-        lines.append(f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | {fmt_peer(r, 'flex')} | {fmt_peer(r, 'cudnn')} "
-                     f"| {fmt_peer(r, 'fa4')} | {' | '.join(sp)} | {r['ratio_d'] or '—'} | {e(r['err'])} "
-                     f"| {e(r['spot'])} / {e(r['fa4_spot'])} | {'; '.join(r['notes']) or '—'} |")
-    if fa4_wanted and not fa4_ok:
-        lines.append(f"\nFlashAttention-4 not importable ({fa4_note}): its columns are empty "
-                     "(`source .peers/b/fa4-peer.sh install .peers` puts flash_attn.cute on PYTHONPATH).")
-    table = "\n".join(lines)
+    table = table_of(rows, dense_time, fa4_note if fa4_wanted and not fa4_ok else None)
     print(table)
     if ARGS.out:
         with open(ARGS.out, "w") as f:
