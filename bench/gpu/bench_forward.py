@@ -422,6 +422,31 @@ def fmt_peer(r, pn):
     return f"{r[pn]:.3f} ({r[pn + '_tf']:.0f})" if pn in r else "—"
 
 
+def fa4_peer(row, x, out, notes):
+    """FlashAttention-4 on the row's inputs and pattern: (median ms or None, rel L2 vs the
+    reference). Checked against bsattn's output `out` and the reference first; a failure or a
+    mismatch goes into `notes` and leaves the row untimed."""
+    try:
+        f4 = peer_fa4.runner(row.kind, x.q, x.k, x.v, blk=x.blk, bq=row.bq, bk=row.bk, window=W, cu_seqlens=x.cu,
+                             max_seqlen=max(row.docs) if row.docs else None)
+        o4 = f4()  # compiles on first use of a configuration: untimed
+        torch.cuda.synchronize()
+        e_ours = rel_err(o4, out)
+        spot = spot_errors(row, x, {"fa4": o4})["fa4"]
+        del o4
+        if e_ours < TOL and spot < TOL:
+            return time_ms(f4, ARGS.iters), spot
+        print(f"  MISMATCH {row.name}: FlashAttention-4 rel L2 vs bsattn {e_ours:.3e}, vs reference {spot:.3e}: "
+              "not timed", flush=True)
+        notes.append(f"fa4 mismatch (vs bsattn {e_ours:.1e}, vs reference {spot:.1e}): not timed")
+        return None, spot
+    except Exception as e:  # noqa: BLE001 - e.g. a block size or head dim FA4 does not support
+        msg = f"{type(e).__name__}: {str(e)[:200]}"
+        print(f"  FlashAttention-4 failed on {row.name}: {msg}", flush=True)
+        notes.append(f"fa4 fails: {msg[:100]}")
+        return None, float("nan")
+
+
 def table_of(rows, dense_time, fa4_note):
     """The markdown result table (fa4_note: why FlashAttention-4's columns are empty, or None)."""
     # time(d) / time(1.0) of random rows whose dense row (same S, D, blocks, heads) came later.
@@ -512,24 +537,9 @@ def main():
         if "fa4" in want:
             fa4_wanted = True
             if fa4_ok:  # else: the note under the table says why its column is empty
-                try:
-                    f4 = peer_fa4.runner(kind, x.q, x.k, x.v, blk=x.blk, bq=row.bq, bk=row.bk, window=W, cu_seqlens=x.cu,
-                                         max_seqlen=max(row.docs) if row.docs else None)
-                    o4 = f4()
-                    torch.cuda.synchronize()
-                    e_ours = rel_err(o4, out)
-                    fa4_spot = spot_errors(row, x, {"fa4": o4})["fa4"]
-                    del o4
-                    if e_ours < TOL and fa4_spot < TOL:
-                        peer["fa4"] = time_ms(f4, ARGS.iters)
-                    else:
-                        print(f"  MISMATCH {name}: FlashAttention-4 rel L2 vs bsattn {e_ours:.3e}, vs reference "
-                              f"{fa4_spot:.3e}: not timed", flush=True)
-                        notes.append(f"fa4 mismatch (vs bsattn {e_ours:.1e}, vs reference {fa4_spot:.1e}): not timed")
-                except Exception as e:  # noqa: BLE001
-                    msg = f"{type(e).__name__}: {str(e)[:200]}"
-                    print(f"  FlashAttention-4 failed on {name}: {msg}", flush=True)
-                    notes.append(f"fa4 fails: {msg[:100]}")
+                t4, fa4_spot = fa4_peer(row, x, out, notes)
+                if t4 is not None:
+                    peer["fa4"] = t4
         run = lambda: ours(x, out)  # noqa: E731
         if ARGS.compare:
             t, extra = compare_variants(row, x, ref, out)
@@ -556,6 +566,7 @@ def main():
         if ARGS.out:  # after every row, so that a run cut short by a time limit leaves its table
             with open(ARGS.out, "w") as f:
                 f.write(table_of(rows, dense_time, None) + "\n")
+        fr = None
         del x, out, qh, kh, vh, ref
         torch.cuda.empty_cache()
 
