@@ -13,6 +13,7 @@ from ._api import Plan, Summaries, attention, attention_backward, build_summarie
 from ._bsattn import BsattnError, built_with_cuda
 from ._merge import merge_state, merge_states
 from ._select import select_blocks
+from ._selected import SelectedAttention, selected_attention
 from .adapters import from_block_mask, from_dense_block_mask, from_flash_attention, from_flashinfer_bsr
 from .mask import Mask
 from .sparsity import BSR, AllBlocks, Bitmask, BlockLists, Sparsity, VarlenBlockLists
@@ -24,6 +25,6 @@ __all__ = [
     "VarlenBlockLists", "adapters", "attention",
     "attention_backward", "build_summaries", "built_with_cuda", "from_block_mask",
     "from_dense_block_mask", "from_flash_attention", "from_flashinfer_bsr", "merge_state", "merge_states",
-    "select_blocks", "sparsity",
+    "SelectedAttention", "select_blocks", "selected_attention", "sparsity",
     "varlen_block_offsets",
 ]

@@ -425,6 +425,26 @@ NB_MODULE(_bsattn, m) {
       .def_prop_ro("route_capacity", &bsattn::Plan::route_capacity)
       .def_prop_ro("workspace_bytes", &bsattn::Plan::workspace_bytes);
 
+  // Summaries -> select -> attend in one run (python/bsattn/_selected.py builds both dicts).
+  nb::class_<bsattn::SelectedAttention>(m, "SelectedAttention")
+      .def(
+          "__init__",
+          [](bsattn::SelectedAttention* self, const nb::dict& problem, const nb::dict& options) {
+            new (self) bsattn::SelectedAttention(problem_from_dict(problem), select_options_from_dict(options));
+          },
+          "problem"_a, "options"_a)
+      .def(
+          "run",
+          [](bsattn::SelectedAttention& selected, const nb::dict& inputs, const nb::dict& outputs,
+             std::uintptr_t stream) {
+            Bound bound;
+            bind_call(bound, inputs, outputs);
+            nb::gil_scoped_release unlocked;
+            selected.run(bound.inputs, bound.outputs, to_stream(stream));
+          },
+          "inputs"_a, "outputs"_a, "stream"_a = 0)
+      .def_prop_ro("workspace_bytes", &bsattn::SelectedAttention::workspace_bytes);
+
   nb::class_<CallLayout>(m, "CallLayout")
       .def(nb::init<const nb::dict&, const nb::dict&>(), "inputs"_a, "outputs"_a)
       .def("run", &CallLayout::run, "plan"_a, "pointers"_a, "stream"_a = 0);
