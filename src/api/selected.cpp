@@ -103,10 +103,13 @@ class OwnedMemory {
   }
   ~OwnedMemory() {
 #if BSATTN_WITH_CUDA
-    if (device_data_) {
-      gpu::DeviceGuard guard(device_index_);
-      cudaFree(device_data_);
-    }
+    if (!device_data_) return;
+    // No DeviceGuard here: its errors throw, and a destructor must not.
+    int now = 0;
+    const bool switch_device = cudaGetDevice(&now) == cudaSuccess && now != device_index_;
+    if (switch_device) cudaSetDevice(device_index_);
+    cudaFree(device_data_);
+    if (switch_device) cudaSetDevice(now);
 #endif
   }
   OwnedMemory(const OwnedMemory&) = delete;
