@@ -102,6 +102,7 @@ CaseSpec pipeline_spec(int i, bool varlen, bool proxy) {
 void expect_pipeline_matches(Case& c, SelectedAttention& selected, cudaStream_t stream, const std::string& what) {
   const Problem& p = selected.problem();
   c.poison_outputs();
+  CUDA_OK(cudaDeviceSynchronize());  // the poison (legacy stream) lands before `stream` (non-blocking) runs
   selected.run(c.in_device, c.out_device, stream);
   CUDA_OK(cudaStreamSynchronize(stream));
   c.out->download();
@@ -109,6 +110,8 @@ void expect_pipeline_matches(Case& c, SelectedAttention& selected, cudaStream_t 
 
   DeviceTensor ks(selected.k_summary()), vs(selected.v_summary()), bits(selected.bits()), out(c.out_device.out),
       lse(c.out_device.lse);
+  bsattn::Plan plan(p);
+  CUDA_OK(cudaDeviceSynchronize());
   Inputs in = c.in_device;
   bsattn::build_summaries(p, in, ks.view, vs.view, stream);
   in.k_summary = ks.view;
@@ -119,7 +122,7 @@ void expect_pipeline_matches(Case& c, SelectedAttention& selected, cudaStream_t 
   Outputs apart;
   apart.out = out.view;
   apart.lse = lse.view;
-  bsattn::Plan(p).run(in, apart, stream);
+  plan.run(in, apart, stream);
   CUDA_OK(cudaStreamSynchronize(stream));
 
   std::vector<unsigned char> k_summary = download(selected.k_summary()), v_summary = download(selected.v_summary()),
@@ -249,8 +252,9 @@ TEST_P(GpuSelectedGraphTest, ReplayWithNewValuesEqualsEagerRun) {
     }
     ASSERT_EQ(c->q->view(Device::cuda).data, c->in_device.q.data);
     c->poison_outputs();
-    for (const TensorView& owned : {captured->k_summary(), captured->v_summary(), captured->bits()})
+    for (const TensorView& owned : {captured->k_summary(), captured->v_summary(), captured->bits(), out.view, lse.view})
       CUDA_OK(cudaMemset(owned.data, 0xab, static_cast<std::size_t>(owned.numel()) * element_size(owned.dtype)));
+    CUDA_OK(cudaDeviceSynchronize());  // uploads and poison (legacy stream) land first
     CUDA_OK(cudaGraphLaunch(exec, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     eager->run(c->in_device, eager_out, stream);
