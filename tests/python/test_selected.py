@@ -1,7 +1,7 @@
 """bsattn.selected_attention / bsattn.SelectedAttention (issue 11.4): summaries -> select -> attend
 in one call equals build_summaries, select_blocks and attention called separately, bit for bit
 (batched and varlen, GQA with heads "q" and "kv", every policy, proxy on and off), and the float64
-reference on the selected pattern; the planned object follows new values and refuses another
+reference on the selected pattern; paged K/V equals contiguous; the planned object follows new values and refuses another
 problem; argument errors; PyTorch CPU tensors; on a CUDA device (skipped without one or without
 a CUDA build) the current stream and a CUDA graph replayed with new Q/K/V values."""
 
@@ -70,6 +70,22 @@ def test_varlen(rng):
         np.testing.assert_array_equal(out, want_out)
         np.testing.assert_array_equal(lse, want_lse)
         assert np.isinf(lse[:, cu_q[1]:cu_q[2]]).all() and np.isfinite(out).all()
+
+
+def test_paged_kv_equals_contiguous(rng):
+    page_size, b, hkv, d, length = 16, 2, 2, 32, 96
+    pages = rng.permutation(16)
+    table = np.full((b, 8), -1, np.int32)  # padded rows: entries past the length are never read
+    table[0, :6], table[1, :6] = pages[:6], pages[6:12]
+    k_cache, v_cache = (rng.standard_normal((16, page_size, hkv, d)).astype(np.float32) for _ in range(2))
+    k, v = (np.stack([cache[table[i, :6]].reshape(length, hkv, d) for i in range(b)]) for cache in (k_cache, v_cache))
+    q = rng.standard_normal((b, length, 4, d)).astype(np.float32)
+    options = dict(top_k=2, causal=True, proxy=True, return_lse=True)
+    paged = bsattn.selected_attention(q, k_cache, v_cache, 32, block_table=table,
+                                      seq_lens_kv=np.full(b, length, np.int32), **options)
+    contiguous = bsattn.selected_attention(q, k, v, 32, **options)
+    for got, want in zip(paged, contiguous):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_planned_object_follows_new_values_and_refuses_another_problem(rng):
