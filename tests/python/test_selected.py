@@ -1,9 +1,10 @@
 """bsattn.selected_attention / bsattn.SelectedAttention (issue 11.4): summaries -> select -> attend
 in one call equals build_summaries, select_blocks and attention called separately, bit for bit
 (batched and varlen, GQA with heads "q" and "kv", every policy, proxy on and off), and the float64
-reference on the selected pattern; paged K/V equals contiguous; the planned object follows new values and refuses another
-problem; argument errors; PyTorch CPU tensors; on a CUDA device (skipped without one or without
-a CUDA build) the current stream and a CUDA graph replayed with new Q/K/V values."""
+reference on the selected pattern; paged K/V equals contiguous; the planned object follows new
+values and refuses another problem; argument errors; PyTorch CPU tensors; on a CUDA device
+(skipped without one or without a CUDA build) the current stream and a CUDA graph replayed with
+new Q/K/V values."""
 
 import numpy as np
 import pytest
