@@ -115,7 +115,9 @@ class OwnedMemory {
   OwnedMemory(const OwnedMemory&) = delete;
   OwnedMemory& operator=(const OwnedMemory&) = delete;
 
-  char* data() { return device_ == Device::cpu ? reinterpret_cast<char*>(host_.data()) : static_cast<char*>(device_data_); }
+  char* data() {
+    return device_ == Device::cpu ? reinterpret_cast<char*>(host_.data()) : static_cast<char*>(device_data_);
+  }
   std::size_t bytes() const { return bytes_; }
 
  private:
