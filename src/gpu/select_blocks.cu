@@ -1,10 +1,18 @@
-// Block selection kernel (SPEC §7). A CTA takes up to kMaxRows consecutive Q blocks of one
-// (sequence, sparsity head): it pools their Q tokens (16-byte vectors along D: coalesced rows), scores
-// every visible KV block against all of its rows at once (a thread per KV block, the summary row
-// read once in 16-byte vectors for all rows; the same fma order as the CPU), then applies the
-// policy to one row at a time with all threads (a bitonic sort of the row's keys in shared memory
-// for top_k and mass, chunked sums for tau and mass) and writes the row's words. Every word of the
-// output is written: varlen rows past the last sequence's blocks by trailing CTAs.
+// Block selection kernel (SPEC §7). A CTA of 8 warps takes up to 8 consecutive Q blocks of one
+// (sequence, sparsity head):
+//  * pooling: a thread per (row, 8 consecutive elements of D) sums the row's query heads, then its
+//    tokens, in order, loading 128 bytes of them (8 tokens of bf16) before adding them: Q is the
+//    kernel's only DRAM stream, and these are its bytes in flight;
+//  * scoring: a thread per two KV blocks scores them against every row of the CTA (16 fma chains
+//    in registers; a summary vector of 8 elements read once from L2 for all rows, the rows' pooled
+//    values as shared-memory broadcasts), the CPU's fma order along D;
+//  * policy: a warp per row, with warp barriers only. top_k: a radix select of the k-th largest
+//    score key, bit by bit from the top, counting the keys at or above each trial (held in
+//    registers, 16 per lane, up to 512 blocks), stopped as soon as a trial counts exactly k; keys
+//    equal to the threshold are taken by lower block index, which makes the set the sort's. tau:
+//    the chunked mean and std. mass: a bitonic sort of the row's 64-bit keys in the warp's shared
+//    slice. Each word of the row's bits is then one warp ballot.
+// Every word of the output is written: varlen rows past the last sequence's blocks by trailing CTAs.
 #include "gpu/select_blocks.hpp"
 
 #include <cuda_fp16.h>
@@ -15,20 +23,50 @@
 namespace bsattn::gpu {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kMaxRows = 8;
-constexpr int kVector = 8;  // elements per summary load; head_dim is a multiple of 8
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kMaxRows = kWarps;       // a warp applies the policy to one row
+constexpr int kBlocksPerThread = 2;    // KV blocks one thread scores (against every row of the CTA)
+constexpr int kVector = 8;             // elements per Q / summary load; head_dim is a multiple of 8
+constexpr int kPoolBatchBytes = 128;   // Q bytes a pooling thread loads before adding them
+constexpr unsigned kFullWarp = 0xffffffffu;
 
-// kVector consecutive elements (16-byte aligned: summary rows are validated as 16-byte vectors).
+// Score slot of KV block j in a row: a padding word after every 32 blocks, so that the lanes of a
+// warp folding one chunk of 32 blocks each read distinct banks.
+__host__ __device__ __forceinline__ int score_slot(int j) { return j + (j >> 5); }
+
+// kVector consecutive elements as loaded (16-byte aligned: Q and summary rows are validated as
+// 16-byte vectors), converted to float separately so that loads can be issued ahead of the adds.
 template <ElementType T>
-__device__ __forceinline__ void load_vector(const void* base, std::int64_t offset, float (&out)[kVector]) {
+struct Packed {
+  uint4 lo;
+};
+template <>
+struct Packed<ElementType::f32> {
+  uint4 lo, hi;
+};
+
+template <ElementType T>
+__device__ __forceinline__ Packed<T> load_packed(const void* base, std::int64_t offset) {
+  Packed<T> v;
   if constexpr (T == ElementType::f32) {
-    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(base) + offset);
-    const float4 a = p[0], b = p[1];
-    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const float*>(base) + offset);
+    v.lo = p[0];
+    v.hi = p[1];
   } else {
-    const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const std::uint16_t*>(base) + offset);
-    const std::uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    v.lo = *reinterpret_cast<const uint4*>(static_cast<const std::uint16_t*>(base) + offset);
+  }
+  return v;
+}
+
+template <ElementType T>
+__device__ __forceinline__ void unpack(const Packed<T>& v, float (&out)[kVector]) {
+  if constexpr (T == ElementType::f32) {
+    const std::uint32_t words[8] = {v.lo.x, v.lo.y, v.lo.z, v.lo.w, v.hi.x, v.hi.y, v.hi.z, v.hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = route::bits_float(words[i]);
+  } else {
+    const std::uint32_t words[4] = {v.lo.x, v.lo.y, v.lo.z, v.lo.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const std::uint16_t lo = static_cast<std::uint16_t>(words[i] & 0xffffu), hi = static_cast<std::uint16_t>(words[i] >> 16);
@@ -36,27 +74,70 @@ __device__ __forceinline__ void load_vector(const void* base, std::int64_t offse
         out[2 * i] = __half2float(__ushort_as_half(lo));
         out[2 * i + 1] = __half2float(__ushort_as_half(hi));
       } else {
-        out[2 * i] = __uint_as_float(static_cast<std::uint32_t>(lo) << 16);
-        out[2 * i + 1] = __uint_as_float(static_cast<std::uint32_t>(hi) << 16);
+        out[2 * i] = route::bits_float(static_cast<std::uint32_t>(lo) << 16);
+        out[2 * i + 1] = route::bits_float(static_cast<std::uint32_t>(hi) << 16);
       }
     }
   }
 }
 
-// Shared memory of one CTA, carved from the dynamic allocation (sizes from the launch).
+// Shared memory of one CTA, carved from the dynamic allocation: per row its sort keys (mass only),
+// pooled query, scores and chunk partials.
 struct SharedLayout {
-  int rows, score_stride, key_slots, chunks, words;
-  __host__ __device__ std::size_t pooled_bytes(int d) const { return sizeof(float) * rows * d; }
-  __host__ __device__ std::size_t bytes(int d) const {
-    return sizeof(std::uint64_t) * key_slots + pooled_bytes(d) + sizeof(float) * rows * score_stride +
-           sizeof(float) * chunks + sizeof(std::uint32_t) * words + 3 * sizeof(float);
+  int rows = 1, d = 0, score_stride = 0, key_slots = 0, chunks = 0;
+  __host__ __device__ std::size_t row_bytes() const {
+    return sizeof(std::uint64_t) * key_slots + sizeof(float) * (d + score_stride + chunks);
   }
+  __host__ __device__ std::size_t bytes() const { return rows * row_bytes(); }
 };
 
-__device__ void bitonic_sort_descending(std::uint64_t* keys, int n) {
+// Sum over the warp (every lane gets it).
+__device__ __forceinline__ int warp_sum(int v) { return __reduce_add_sync(kFullWarp, v); }
+
+// Keys a lane holds in registers while searching a row of up to 32 * kKeysPerLane blocks (longer
+// rows are searched in shared memory).
+constexpr int kKeysPerLane = 16;
+
+// The picks-th largest (1 <= picks <= number of nonzero keys) of a row's 32-bit keys, searched bit by
+// bit: the largest t with count_at_least(t) >= picks, where count_at_least(t) counts the row's keys
+// >= t over the warp. Returns the threshold and the keys equal to it to take (lowest blocks
+// first) above those greater than it: a trial that counts exactly picks keys separates them from
+// the rest (threshold trial - 1, no ties), which usually ends the search half way.
+template <class CountAtLeast>
+__device__ __forceinline__ void kth_largest_key(int picks, const CountAtLeast& count_at_least, std::uint32_t& threshold,
+                                                int& ties_left) {
+  threshold = 0;
+  ties_left = 0;
+  for (int bit = 31; bit >= 0; --bit) {
+    const std::uint32_t trial = threshold | (1u << bit);
+    const int count = count_at_least(trial);
+    if (count == picks) {
+      threshold = trial - 1;
+      return;
+    }
+    if (count > picks) threshold = trial;
+  }
+  ties_left = picks - count_at_least(threshold + 1);
+}
+
+// Sum of fold(acc, j) over j in [0, n), chunk by chunk (a lane per chunk of kSelectChunk blocks),
+// the chunk results added in order: route/selection.hpp's order. Every lane gets the sum.
+template <class Fold>
+__device__ float warp_chunked_sum(int n, float* partial, int lane, const Fold& fold) {
+  const int chunks = route::ceil_div(n, route::kSelectChunk);
+  for (int c = lane; c < chunks; c += 32)
+    partial[c] = route::chunk_fold(c * route::kSelectChunk, min(n, (c + 1) * route::kSelectChunk), fold);
+  __syncwarp();
+  const float sum = route::sum_chunks(chunks, [&](int c) { return partial[c]; });
+  __syncwarp();  // partial is reused by the next call
+  return sum;
+}
+
+// Descending bitonic sort of n (a power of two) keys by one warp.
+__device__ void warp_bitonic_sort_descending(std::uint64_t* keys, int n, int lane) {
   for (int k = 2; k <= n; k <<= 1)
     for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < n; i += kThreads) {
+      for (int i = lane; i < n; i += 32) {
         const int partner = i ^ j;
         if (partner > i) {
           const std::uint64_t a = keys[i], b = keys[partner];
@@ -66,13 +147,8 @@ __device__ void bitonic_sort_descending(std::uint64_t* keys, int n) {
           }
         }
       }
-      // Thread t owns elements t + 128 r, so a stage with j < 32 pairs elements of one warp: the
-      // CTA waits only around stages that pair across warps (the next stage is (k, j/2) or (2k, k)).
-      const int next = j > 1 ? j >> 1 : k;
-      if (j >= 32 || next >= 32) __syncthreads();
-      else __syncwarp();
+      __syncwarp();
     }
-  __syncthreads();
 }
 
 // Number of blocks of Q with varlen rows before sequence b (the row base of the varlen bitmask).
@@ -82,92 +158,128 @@ __device__ int varlen_row_base(const route::RouteParams& p, int b) {
   return base;
 }
 
-// The policy's blocks of one row, ORed into `words` (shared). Every thread calls it.
-__device__ void apply_policy(const route::SelectRule& rule, const route::SelectRowShape& shape, const float* scores,
-                             std::uint64_t* keys, float* partial, float* broadcast, int* counter,
-                             std::uint32_t* words, int forced_count) {
+// One row's policy and its bitmask words, by one warp. `scores` holds the row's scores in score
+// slots (top_k overwrites them with its 32-bit keys); `keys` has a power of two >= n slots (mass).
+__device__ void select_row(const route::SelectParams& sp, const route::SelectRowShape& shape, float* scores,
+                           float* partial, std::uint64_t* keys, int hs, int row, int lane) {
+  const route::SelectRule& rule = sp.rule;
   const int n = shape.visible;
-  const int chunks = route::ceil_div(n, route::kSelectChunk);
-  const auto chunk_end = [&](int c) { return min(n, (c + 1) * route::kSelectChunk); };
-  const auto set_bit = [&](int j) { atomicOr(&words[j / 32], 1u << (j % 32)); };
-  if (rule.policy == route::SelectPolicyKind::tau) {
-    for (int c = threadIdx.x; c < chunks; c += kThreads)
-      partial[c] = route::chunk_fold(c * route::kSelectChunk, chunk_end(c),
-                                     [&](float acc, int j) { return route::fold_sum(acc, scores[j]); });
-    __syncthreads();
-    if (threadIdx.x == 0) broadcast[0] = route::row_mean(route::sum_chunks(chunks, [&](int c) { return partial[c]; }), n);
-    __syncthreads();
-    const float mean = broadcast[0];
-    for (int c = threadIdx.x; c < chunks; c += kThreads)
-      partial[c] = route::chunk_fold(c * route::kSelectChunk, chunk_end(c), [&](float acc, int j) {
-        return route::fold_squared_deviation(acc, scores[j], mean);
+  const auto score = [&](int j) { return scores[score_slot(j)]; };
+  // The policy's pick of visible block j (forced blocks are added below): top_k keeps keys above
+  // `threshold` and the first `ties_left` keys equal to it (block order); tau keeps scores >= it;
+  // mass keeps 64-bit keys >= the key at the cut.
+  std::uint32_t threshold = 0;
+  int ties_left = 0;
+  float tau_threshold = 0.0f;
+  std::uint64_t mass_cut = ~std::uint64_t{0};
+  std::uint32_t* top_keys = reinterpret_cast<std::uint32_t*>(scores);
+  if (n > 0 && rule.policy == route::SelectPolicyKind::top_k) {
+    int forced = 0;
+    for (int j = lane; j < n; j += 32) {
+      const bool is_forced = route::select_forced(rule, shape, j);
+      forced += is_forced ? 1 : 0;
+      // The ranking key's score half; 0 (below every block's key) for forced blocks, which top_k
+      // counts but does not rank.
+      top_keys[score_slot(j)] = is_forced ? 0u : static_cast<std::uint32_t>(route::select_key(score(j), j) >> 32);
+    }
+    forced = warp_sum(forced);
+    const int picks = min(n - forced, max(0, rule.top_k - forced));
+    __syncwarp();
+    if (picks > 0 && n <= 32 * kKeysPerLane) {
+      std::uint32_t held[kKeysPerLane];
+#pragma unroll
+      for (int i = 0; i < kKeysPerLane; ++i) held[i] = lane + 32 * i < n ? top_keys[score_slot(lane + 32 * i)] : 0u;
+      kth_largest_key(picks, [&](std::uint32_t trial) {
+        int count = 0;
+#pragma unroll
+        for (int i = 0; i < kKeysPerLane; ++i) count += held[i] >= trial ? 1 : 0;
+        return warp_sum(count);
+      }, threshold, ties_left);
+    } else if (picks > 0) {
+      kth_largest_key(picks, [&](std::uint32_t trial) {
+        int count = 0;
+        for (int j = lane; j < n; j += 32) count += top_keys[score_slot(j)] >= trial ? 1 : 0;
+        return warp_sum(count);
+      }, threshold, ties_left);
+    } else {
+      threshold = ~0u;  // above every key: nothing picked
+    }
+  } else if (n > 0 && rule.policy == route::SelectPolicyKind::tau) {
+    const float mean = route::row_mean(
+        warp_chunked_sum(n, partial, lane, [&](float acc, int j) { return route::fold_sum(acc, score(j)); }), n);
+    const float squares = warp_chunked_sum(
+        n, partial, lane, [&](float acc, int j) { return route::fold_squared_deviation(acc, score(j), mean); });
+    tau_threshold = route::tau_threshold(mean, squares, n, rule.tau);
+  } else if (n > 0) {
+    int slots = 1;
+    while (slots < n) slots <<= 1;
+    for (int i = lane; i < slots; i += 32) keys[i] = i < n ? route::select_key(score(i), i) : 0;
+    __syncwarp();
+    warp_bitonic_sort_descending(keys, slots, lane);
+    const auto sorted_score = [&](int i) { return score(route::select_key_block(keys[i])); };
+    const float row_max = sorted_score(0);
+    const int chunks = route::ceil_div(n, route::kSelectChunk);
+    const auto chunk_end = [&](int c) { return min(n, (c + 1) * route::kSelectChunk); };
+    for (int c = lane; c < chunks; c += 32)
+      partial[c] = route::chunk_fold(c * route::kSelectChunk, chunk_end(c), [&](float acc, int i) {
+        return route::fold_mass(acc, sorted_score(i), row_max);
       });
-    __syncthreads();
-    if (threadIdx.x == 0)
-      broadcast[1] = route::tau_threshold(mean, route::sum_chunks(chunks, [&](int c) { return partial[c]; }), n, rule.tau);
-    __syncthreads();
-    const float threshold = broadcast[1];
-    for (int j = threadIdx.x; j < n; j += kThreads)
-      if (scores[j] >= threshold) set_bit(j);
-    return;
+    __syncwarp();
+    if (lane == 0) {  // chunk totals -> offsets, in the CPU engine's order; the last sum is the total
+      float offset = 0.0f;
+      for (int c = 0; c < chunks; ++c) {
+        const float total = partial[c];
+        partial[c] = offset;
+        offset = route::add_rn(offset, total);
+      }
+      partial[chunks] = route::mass_target(rule.mass, offset);
+    }
+    __syncwarp();
+    const float target = partial[chunks];
+    int below = 0;
+    for (int c = lane; c < chunks; c += 32)
+      below += route::mass_below_target(c * route::kSelectChunk, chunk_end(c), partial[c], row_max, target, sorted_score);
+    const int picks = min(n, warp_sum(below) + 1);
+    mass_cut = keys[picks - 1];
   }
 
-  // top_k and mass rank blocks: keys of the candidates, 0 in the other slots, sorted descending.
-  const bool top_k = rule.policy == route::SelectPolicyKind::top_k;
-  int slots = 1;
-  while (slots < n) slots <<= 1;
-  for (int i = threadIdx.x; i < slots; i += kThreads)
-    keys[i] = (i < n && !(top_k && route::select_forced(rule, shape, i))) ? route::select_key(scores[i], i) : 0;
-  __syncthreads();
-  bitonic_sort_descending(keys, slots);
-  if (top_k) {
-    const int picks = max(0, rule.top_k - forced_count);
-    for (int i = threadIdx.x; i < min(picks, n); i += kThreads)
-      if (keys[i] != 0) set_bit(route::select_key_block(keys[i]));
-    return;
-  }
-  const auto sorted_score = [&](int i) { return scores[route::select_key_block(keys[i])]; };
-  const float row_max = sorted_score(0);
-  for (int c = threadIdx.x; c < chunks; c += kThreads)
-    partial[c] = route::chunk_fold(c * route::kSelectChunk, chunk_end(c), [&](float acc, int i) {
-      return route::fold_mass(acc, sorted_score(i), row_max);
-    });
-  __syncthreads();
-  if (threadIdx.x == 0) {  // chunk totals -> offsets, in the CPU engine's order; the last is the total
-    float offset = 0.0f;
-    for (int c = 0; c < chunks; ++c) {
-      const float total = partial[c];
-      partial[c] = offset;
-      offset = route::add_rn(offset, total);
+  std::uint32_t* out = sp.row_words(hs, row);
+  const std::int64_t word_stride = sp.word_stride();
+  int ties_before = 0;  // top_k: keys equal to the threshold in earlier words
+  for (int w = 0; w < sp.words; ++w) {
+    const int j = 32 * w + lane;
+    bool pick = false, tie = false;
+    if (j < n) {
+      if (rule.policy == route::SelectPolicyKind::top_k) {
+        const std::uint32_t key = top_keys[score_slot(j)];
+        pick = key > threshold;
+        tie = key == threshold && ties_left > 0;
+      } else if (rule.policy == route::SelectPolicyKind::tau) {
+        pick = score(j) >= tau_threshold;
+      } else {
+        pick = route::select_key(score(j), j) >= mass_cut;
+      }
     }
-    broadcast[2] = route::mass_target(rule.mass, offset);
-    *counter = 0;
+    const std::uint32_t tie_lanes = __ballot_sync(kFullWarp, tie);
+    if (tie && ties_before + __popc(tie_lanes & ((1u << lane) - 1u)) < ties_left) pick = true;
+    ties_before += __popc(tie_lanes);
+    pick = pick || (j < n && route::select_forced(rule, shape, j));
+    const std::uint32_t word = __ballot_sync(kFullWarp, pick);
+    if (lane == 0) out[w * word_stride] = word;
   }
-  __syncthreads();
-  const float target = broadcast[2];
-  int below = 0;
-  for (int c = threadIdx.x; c < chunks; c += kThreads)
-    below += route::mass_below_target(c * route::kSelectChunk, chunk_end(c), partial[c], row_max, target, sorted_score);
-  if (below) atomicAdd(counter, below);
-  __syncthreads();
-  const int picks = min(n, *counter + 1);
-  for (int i = threadIdx.x; i < picks; i += kThreads) set_bit(route::select_key_block(keys[i]));
 }
 
 template <ElementType T>
-__global__ void __launch_bounds__(kThreads, 1) select_kernel(const route::SelectParams sp, const SharedLayout layout,
+__global__ void __launch_bounds__(kThreads, 4) select_kernel(const route::SelectParams sp, const SharedLayout layout,
                                                           int groups_per_sequence) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
   const AttentionParams& a = sp.tensors;
   const route::RouteParams& p = a.route;
   const int d = a.head_dim, hs = blockIdx.y;
-  auto* keys = reinterpret_cast<std::uint64_t*>(shared_raw);
-  float* pooled = reinterpret_cast<float*>(keys + layout.key_slots);
-  float* scores = pooled + layout.rows * d;
-  float* partial = scores + layout.rows * layout.score_stride;
-  std::uint32_t* words = reinterpret_cast<std::uint32_t*>(partial + layout.chunks);
-  float* broadcast = reinterpret_cast<float*>(words + layout.words);  // mean, tau threshold, mass target
-  __shared__ int forced_count, counter;
+  auto* keys = reinterpret_cast<std::uint64_t*>(shared_raw);                   // [rows][key_slots]
+  float* pooled = reinterpret_cast<float*>(keys + layout.rows * layout.key_slots);  // [rows][d]
+  float* scores = pooled + layout.rows * d;                                      // [rows][score_stride]
+  float* partial = scores + layout.rows * layout.score_stride;                   // [rows][chunks]
 
   const std::int64_t word_stride = sp.word_stride();
   const int sequence = blockIdx.x / groups_per_sequence;
@@ -186,8 +298,9 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const route::Select
   if (rows <= 0) return;
   const int row0 = p.varlen_q ? varlen_row_base(p, b) + qb0 : b * p.max_q_blocks + qb0;
 
-  // Pool: a thread per (row, 8 consecutive elements) reads them as one 16-byte vector (Q rows are
-  // validated as 16-byte vectors); each element sums the row's query heads, then its tokens, in order.
+  // Pool: a thread per (row, 8 consecutive elements); each element sums the row's query heads, then
+  // its tokens, in order. Q offsets are affine in the token: one q_offset per (row, head).
+  constexpr int batch_tokens = kPoolBatchBytes / sizeof(Packed<T>);
   const int vectors = d / kVector;
   for (int i = threadIdx.x; i < rows * vectors; i += kThreads) {
     const int r = i / vectors, e0 = (i % vectors) * kVector;
@@ -195,30 +308,51 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const route::Select
     float sum[kVector];
 #pragma unroll
     for (int e = 0; e < kVector; ++e) sum[e] = 0.0f;
-    for (int h = hs * sp.group; h < (hs + 1) * sp.group; ++h)
-#pragma unroll 4
-      for (int q = q0; q < q1; ++q) {
-        float x[kVector];
-        load_vector<T>(a.q, a.q_offset(b, s, q, h) + e0, x);
+    for (int h = hs * sp.group; h < (hs + 1) * sp.group; ++h) {
+      std::int64_t offset = a.q_offset(b, s, q0, h) + e0;
+      for (int q = q0; q < q1; q += batch_tokens, offset += batch_tokens * a.q_token_stride) {
+        Packed<T> batch[batch_tokens];
 #pragma unroll
-        for (int e = 0; e < kVector; ++e) sum[e] = route::add_rn(sum[e], x[e]);
+        for (int t = 0; t < batch_tokens; ++t)
+          if (q + t < q1) batch[t] = load_packed<T>(a.q, offset + t * a.q_token_stride);
+#pragma unroll
+        for (int t = 0; t < batch_tokens; ++t)
+          if (q + t < q1) {
+            float x[kVector];
+            unpack<T>(batch[t], x);
+#pragma unroll
+            for (int e = 0; e < kVector; ++e) sum[e] = route::add_rn(sum[e], x[e]);
+          }
       }
+    }
 #pragma unroll
     for (int e = 0; e < kVector; ++e) pooled[r * d + e0 + e] = route::pooled_query(sum[e], q1 - q0, a.scale);
   }
   __syncthreads();
 
-  // Scores of every block visible to the last (widest) row, for all rows at once.
+  // Scores of every block visible to the last (widest) row, for all rows at once: a thread per
+  // kBlocksPerThread blocks (kThreads apart), an fma chain per (row, block) over d = 0, 1, ...
   const int visible = route::select_row_shape(sp.rule, s, p.block_q, p.block_kv, qb0 + rows - 1).visible;
   const int hkv = hs * sp.group / (p.heads_q / p.heads_kv);
   const std::int64_t summary = b * a.summary_batch_stride + hkv * a.summary_head_stride;
-  for (int j = threadIdx.x; j < visible; j += kThreads) {
-    float acc[kMaxRows];
+  for (int j0 = threadIdx.x; j0 < visible; j0 += kBlocksPerThread * kThreads) {
+    float acc[kBlocksPerThread][kMaxRows];
 #pragma unroll
-    for (int r = 0; r < kMaxRows; ++r) acc[r] = 0.0f;
+    for (int c = 0; c < kBlocksPerThread; ++c)
+#pragma unroll
+      for (int r = 0; r < kMaxRows; ++r) acc[c][r] = 0.0f;
     for (int e0 = 0; e0 < d; e0 += kVector) {
-      float k[kVector];
-      load_vector<T>(a.k_summary, summary + j * a.summary_block_stride + e0, k);
+      float k[kBlocksPerThread][kVector];
+#pragma unroll
+      for (int c = 0; c < kBlocksPerThread; ++c) {
+        const int j = j0 + c * kThreads;
+        if (j < visible) {
+          unpack<T>(load_packed<T>(a.k_summary, summary + j * a.summary_block_stride + e0), k[c]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVector; ++e) k[c][e] = 0.0f;  // scored and discarded
+        }
+      }
 #pragma unroll
       for (int r = 0; r < kMaxRows; ++r)
         if (r < rows) {
@@ -227,53 +361,48 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const route::Select
           const float4 hi = *reinterpret_cast<const float4*>(pooled + r * d + e0 + 4);
           const float qv[kVector] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-          for (int e = 0; e < kVector; ++e) acc[r] = route::fma_rn(qv[e], k[e], acc[r]);
+          for (int c = 0; c < kBlocksPerThread; ++c)
+#pragma unroll
+            for (int e = 0; e < kVector; ++e) acc[c][r] = route::fma_rn(qv[e], k[c][e], acc[c][r]);
         }
     }
 #pragma unroll
-    for (int r = 0; r < kMaxRows; ++r)
-      if (r < rows) scores[r * layout.score_stride + j] = acc[r];
+    for (int c = 0; c < kBlocksPerThread; ++c) {
+      const int j = j0 + c * kThreads;
+#pragma unroll
+      for (int r = 0; r < kMaxRows; ++r)
+        if (r < rows && j < visible) scores[r * layout.score_stride + score_slot(j)] = acc[c][r];
+    }
   }
   __syncthreads();
 
-  for (int r = 0; r < rows; ++r) {
+  // Policy: a warp per row.
+  const int lane = threadIdx.x % 32;
+  for (int r = threadIdx.x / 32; r < rows; r += kWarps) {
     const route::SelectRowShape shape = route::select_row_shape(sp.rule, s, p.block_q, p.block_kv, qb0 + r);
-    for (int w = threadIdx.x; w < sp.words; w += kThreads) words[w] = 0;
-    if (threadIdx.x == 0) forced_count = 0;
-    __syncthreads();
-    int forced = 0;
-    for (int j = threadIdx.x; j < shape.visible; j += kThreads)
-      if (route::select_forced(sp.rule, shape, j)) {
-        atomicOr(&words[j / 32], 1u << (j % 32));
-        ++forced;
-      }
-    if (forced) atomicAdd(&forced_count, forced);
-    __syncthreads();
-    if (shape.visible > 0)
-      apply_policy(sp.rule, shape, scores + r * layout.score_stride, keys, partial, broadcast, &counter, words,
-                   forced_count);
-    __syncthreads();
-    std::uint32_t* out = sp.row_words(hs, row0 + r);
-    for (int w = threadIdx.x; w < sp.words; w += kThreads) out[w * word_stride] = words[w];
-    __syncthreads();
+    select_row(sp, shape, scores + r * layout.score_stride, partial + r * layout.chunks, keys + r * layout.key_slots, hs,
+               row0 + r, lane);
   }
 }
 
 template <ElementType T>
 cudaError_t launch(const route::SelectParams& sp, cudaStream_t stream) {
   const route::RouteParams& p = sp.tensors.route;
-  SharedLayout layout;
   const int kv_blocks = std::max(1, sp.max_kv_blocks);
-  // Rows per CTA: as many as keep the score rows within 64 KiB (the summary row is read once for them).
-  layout.rows = std::clamp(16384 / kv_blocks, 1, kMaxRows);
-  layout.score_stride = kv_blocks;
-  layout.key_slots = 2;  // keeps the pooled rows after the keys 16-byte aligned
-  while (layout.key_slots < kv_blocks) layout.key_slots <<= 1;
-  layout.chunks = route::ceil_div(kv_blocks, route::kSelectChunk);
-  layout.words = sp.words;
-  const std::size_t bytes = layout.bytes(sp.tensors.head_dim);
-  // Above the default 48 KiB only (long KV sequences): typical shapes make no extra API call, and
-  // none that a graph capture could object to.
+  SharedLayout layout;
+  layout.d = sp.tensors.head_dim;
+  layout.score_stride = (score_slot(kv_blocks - 1) + 4) & ~3;  // keeps every row's pooled values 16-byte aligned
+  layout.chunks = (route::ceil_div(kv_blocks, route::kSelectChunk) + 4) & ~3;  // + the mass target
+  if (sp.rule.policy == route::SelectPolicyKind::mass) {
+    layout.key_slots = 2;  // keeps the pooled rows after the keys 16-byte aligned
+    while (layout.key_slots < kv_blocks) layout.key_slots <<= 1;
+  }
+  // Rows per CTA: a row per warp while they fit in 64 KiB (4 CTAs per SM up to 512 KV blocks; the
+  // summary rows are read from L2 once per CTA), else as many as fit, at least one.
+  layout.rows = std::clamp(static_cast<int>((64 * 1024) / layout.row_bytes()), 1, kMaxRows);
+  const std::size_t bytes = layout.bytes();
+  // Above the default 48 KiB only: typical shapes make no extra API call, and none that a graph
+  // capture could object to.
   if (bytes > 48 * 1024) {
     const cudaError_t e =
         cudaFuncSetAttribute(select_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
@@ -282,7 +411,11 @@ cudaError_t launch(const route::SelectParams& sp, cudaStream_t stream) {
   const int groups_per_sequence = route::ceil_div(p.max_q_blocks, layout.rows);
   const int trailing = p.varlen_q ? route::ceil_div(sp.rows, layout.rows) : 0;
   const dim3 grid(p.batch * groups_per_sequence + trailing, sp.heads);
+#if defined(BSATTN_GPU_HOST_EMULATION)  // tests/gpu/emulation: the kernel's logic on the host
+  emulate_launch(select_kernel<T>, grid, kThreads, bytes, sp, layout, groups_per_sequence);
+#else
   select_kernel<T><<<grid, kThreads, bytes, stream>>>(sp, layout, groups_per_sequence);
+#endif
   return cudaGetLastError();
 }
 

@@ -210,6 +210,15 @@ inline void make_select_case(SelectCase& c, std::uint64_t seed, int policy = -1,
   }
 }
 
+// A long case (3000-10000 tokens in KV blocks of 16: about 190-630 blocks per row) with the given
+// policy and top_k drawn from [1, nKB]: the k-th largest key falls anywhere in a long row, ties
+// included, and rows of more than 512 blocks take the GPU kernel's other top_k path.
+inline void make_long_select_case(SelectCase& c, std::uint64_t seed, int policy) {
+  make_select_case(c, seed, policy, 3000 + static_cast<int>(seed % 8) * 1000);
+  const int nkb = (c.problem.max_seqlen_kv + c.problem.block.kv - 1) / c.problem.block.kv;
+  c.options.top_k = 1 + static_cast<int>(std::mt19937_64(seed ^ 0x5bd1e995u)() % static_cast<std::uint64_t>(nkb));
+}
+
 // Turns a batched case into batched Q over a paged KV cache of 16-token pages whose lengths
 // (seq_lens_kv) are drawn at random up to max_seqlen_kv; selection reads only the lengths.
 inline void make_paged(SelectCase& c, std::uint64_t seed) {

@@ -85,6 +85,21 @@ TEST_P(GpuSelectTest, EqualsCpuBitForBit) {
 }
 INSTANTIATE_TEST_SUITE_P(Random, GpuSelectTest, ::testing::Range(0, 300));
 
+// Long rows (about 190-630 KV blocks) for every policy with top_k drawn from [1, nKB]: the kernel's
+// top_k search in registers (up to 512 blocks) and in shared memory (more), tau and mass over many
+// chunks.
+class GpuSelectLongTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(GpuSelectLongTest, EqualsCpuBitForBit) {
+  REQUIRE_SM90();
+  const int i = GetParam();
+  SelectCase c;
+  bsattn_test::make_long_select_case(c, 8500000 + static_cast<std::uint64_t>(i), i % 3);
+  const std::string failure = compare_with_cpu(c, i % 2 == 0, nullptr);
+  EXPECT_TRUE(failure.empty()) << failure;
+}
+INSTANTIATE_TEST_SUITE_P(Random, GpuSelectLongTest, ::testing::Range(0, 30));
+
 // Paged KV lengths (seq_lens_kv), batched Q.
 TEST(GpuSelectPaged, EqualsCpuBitForBit) {
   REQUIRE_SM90();
