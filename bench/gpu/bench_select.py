@@ -5,8 +5,9 @@ Per configuration (MHA, bf16, one pattern per query head): the time of build_sum
 select_blocks with each policy (top_k at the given density, tau = 0, mass = 0.9), and of bsattn's
 attention on the top_k selection (block lists of the same blocks), and the share of summaries +
 selection in the whole. Issue 11's target: <= 3 % at density 0.175, S = 32768, H = 40. Times are
-the median of --iters CUDA-event timings after warm-up. Each top_k mask is checked to hold
-exactly k blocks per row before it is timed.
+the median of --iters CUDA-event timings after warm-up, of the GPU only (a spin kernel ahead of
+each call hides the host's part). Each top_k mask is checked to hold exactly k blocks per row
+before it is timed.
 
   python3 bench/gpu/bench_select.py --lib build/bench/gpu/libbsattn_bench.so [--out table.md]
 """
@@ -53,13 +54,21 @@ def check(status):
         raise RuntimeError(LIB.bsattn_bench_error().decode())
 
 
+# GPU clock cycles of the spin kernel queued before each timed call (about 100 us on the H200).
+SPIN_CYCLES = 200_000
+
+
 def time_ms(fn, iters):
+    """Median GPU time of fn. A spin kernel queued first keeps the GPU busy while the host issues fn,
+    so the events bracket fn's kernels alone, not the host's call overhead (Python, ctypes,
+    validation: 10-20 us): in the pipeline the stages are queued without a host sync."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)
         a.record()
         fn()
         b.record()
