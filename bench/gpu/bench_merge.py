@@ -5,8 +5,9 @@ The kernel reads N partial results (O [N, B, S, H, D] and LSE [N, B, H, S]) once
 its bandwidth is (bytes read + bytes written) / time, reported against the H200's copy ceiling of
 4.21 TB/s. Large merges (cascade / context-parallel prefill) should run near the ceiling; a decode
 step's merge (B * H row-heads of one token, well under 1 MB) is bound by the launch and a DRAM
-latency or two, so its row reports the time. Each configuration is checked against a torch float32
-reference first; times are the median of --iters CUDA-event timings after warm-up.
+latency or two, so its row reports the time, next to an empty launch's. Each configuration is
+checked against a torch float32 reference first; times are the median of --iters CUDA-event
+timings after warm-up, of the GPU only (a spin kernel ahead of each call hides the host's part).
 
   python3 bench/gpu/bench_merge.py --lib build/bench/gpu/libbsattn_bench.so [--out table.md]
 """
@@ -59,13 +60,21 @@ def reference(outs, lses):
     return out.to(outs.dtype), lse
 
 
+# GPU clock cycles of the spin kernel queued before each timed call (about 100 us on the H200).
+SPIN_CYCLES = 200_000
+
+
 def time_ms(fn, iters):
+    """Median GPU time of fn. A spin kernel queued first keeps the GPU busy while the host issues fn,
+    so the events bracket fn's kernels alone: without it they also took the host's call overhead
+    (Python, ctypes, validation), which made every decode merge read 22 us."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)
         a.record()
         fn()
         b.record()
@@ -78,7 +87,9 @@ def main():
     torch.manual_seed(0)
     header = "| config | N | B | S | H | D | dtype | MB read + written | time (us) | TB/s | of 4.21 TB/s |"
     rule = "|---|---|---|---|---|---|---|---|---|---|---|"
-    print(f"{torch.cuda.get_device_name()}; median of {ARGS.iters} CUDA-event timings after warm-up", flush=True)
+    empty_us = 1e3 * time_ms(lambda: torch.cuda._sleep(0), ARGS.iters)
+    print(f"{torch.cuda.get_device_name()}; median of {ARGS.iters} CUDA-event timings after warm-up, GPU time only; "
+          f"an empty launch measures {empty_us:.1f} us", flush=True)
     print(header + "\n" + rule)
     rows = []
     for name, N, B, S, H, D, dtype in CONFIGS:

@@ -2,20 +2,23 @@
 // LSEs and writes one row and one LSE: the DRAM traffic of a copy, so the ceiling is the device's
 // copy bandwidth (4.21 TB/s on the H200) counted as bytes read + written. The LSEs add 4 bytes per
 // part and (row, head), 1.5 % of a bf16 row of D = 128, and neighbouring work items take
-// neighbouring tokens, so their LSE loads share sectors. Little's law at 4.2 TB/s and ~0.7 us of
-// DRAM latency wants ~22 KB in flight per SM: the LSEs and O packs of two parts (eight when there
-// are more than two) are loaded together, 32 (128) bytes per thread on the 16-byte path, by 1024
-// (512) resident threads per SM. Large merges should so run at 85-95 % of the copy ceiling; small
-// ones (a decode step: B * H = 1024 items, a few MB) are bound by the launch and a DRAM latency
-// per eight parts.
+// neighbouring tokens, so their LSE loads share sectors. Little's law at 4.2 TB/s and ~1 us of
+// loaded DRAM latency wants ~32 KB in flight per SM. Each thread loads 8 (part, item) O packs and
+// their LSEs before using any: 2 parts of 4 items when N <= 2, 4 of 2 when N <= 4, else 8 parts
+// of one item; with 512 resident threads per SM (2 blocks of 256, at most 128 registers) that is
+// 64 KB in flight on the 16-byte path. (Until 2026-12-01 a thread held one item, so a merge of two
+// parts had 32 bytes per thread in flight: 30-58 % of the ceiling measured.) Large merges should
+// so run at 85-95 % of the ceiling; a decode step's merge (B * H = 1024 items, a few MB) is bound
+// by the launch and one DRAM latency per eight parts.
 //
-// Work layout: a group of `lanes` threads (a power of two, at most a warp) per (row, head), each
-// lane moving packs of `kBytes` along D: 16 when every row start allows it, else 8, 4 or one
+// Work layout: a group of `lanes` threads (a power of two, at most a warp) per item (row, head),
+// each lane moving packs of `kBytes` along D: 16 when every row start allows it, else 8, 4 or one
 // element. The parts are merged in one pass (merge::Accumulator), in part order like the CPU loop.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gpu/merge_states.hpp"
 
@@ -23,12 +26,6 @@ namespace bsattn::gpu {
 namespace {
 
 constexpr int kThreads = 256;
-// Parts whose loads are in flight together: two for merge_state and large merges, where 4 blocks
-// of 256 threads per SM (at most 64 registers, met without spills) keep 1024 x 2 x 16 = 32 KB in
-// flight; eight when there are more parts, so that a decode step's merge of 16 splits waits for
-// two memory latencies rather than eight (2 blocks per SM then still keep 64 KB in flight).
-template <int kPartsInFlight>
-constexpr int kBlocksPerSm = kPartsInFlight <= 2 ? 4 : 2;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -67,71 +64,101 @@ __device__ __forceinline__ void divmod(std::int64_t n, std::int64_t d, std::int6
   }
 }
 
-template <class T, int kBytes, int kPartsInFlight>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm<kPartsInFlight>)
-    merge_states_kernel(const merge::MergeParams p, int lanes_log2) {
+// One (row, head) work item. 32-bit coordinates (the merge's extents are int32); offsets are
+// recomputed where used, so that several items per thread cost few registers.
+struct Item {
+  bool active = false;
+  int b = 0, s = 0, h = 0;
+};
+
+__device__ __forceinline__ Item locate(const merge::MergeParams& p, std::int64_t item) {
+  Item it;
+  it.active = item < p.items();
+  if (!it.active) return it;
+  std::int64_t bh = 0, b = 0, s = 0, h = 0;
+  divmod(item, p.tokens, bh, s);  // tokens fastest: neighbouring items read neighbouring LSEs
+  divmod(bh, p.heads, b, h);
+  it.b = static_cast<int>(b);
+  it.s = static_cast<int>(s);
+  it.h = static_cast<int>(h);
+  return it;
+}
+
+// A group of `lanes` threads merges kItems items (kThreads / lanes apart: each step of k covers
+// consecutive items), loading the LSEs and O packs of kParts parts of every item before using
+// them: kItems * kParts = 8 loads of up to 16 bytes in flight per thread. With several items the
+// kernel is launched only for N <= kParts: one chunk of parts.
+template <class T, int kBytes, int kParts, int kItems>
+__global__ void __launch_bounds__(kThreads, 2) merge_states_kernel(const merge::MergeParams p, int lanes_log2) {
   constexpr int kElems = kBytes / static_cast<int>(sizeof(T));
   using Vec = Pack<T, kElems>;
-  const int lanes = 1 << lanes_log2;
+  const int lanes = 1 << lanes_log2, groups = kThreads >> lanes_log2;
   const int lane = threadIdx.x & (lanes - 1);
-  const std::int64_t item =
-      static_cast<std::int64_t>(blockIdx.x) * (kThreads >> lanes_log2) + (threadIdx.x >> lanes_log2);
-  const bool active = item < p.items();
-  // Tokens fastest: the items of a block read neighbouring LSEs.
-  std::int64_t b = 0, h = 0, s = 0, bh = 0;
-  if (active) {
-    divmod(item, p.tokens, bh, s);
-    divmod(bh, p.heads, b, h);
-  }
-  // Row offsets of both part layouts and of the output, computed once: part i adds i steps.
-  const std::int64_t first_row = p.first.out_offset(b, s, h), second_row = p.second.out_offset(b, s, h);
-  const std::int64_t first_lse = p.first.lse_offset(b, s, h), second_lse = p.second.lse_offset(b, s, h);
-  T* const out = static_cast<T*>(p.result.out) + p.result.out_offset(b, s, h);
-  merge::Accumulator a;
+  Item items[kItems];
+#pragma unroll
+  for (int k = 0; k < kItems; ++k)
+    items[k] = locate(p, (static_cast<std::int64_t>(blockIdx.x) * kItems + k) * groups + (threadIdx.x >> lanes_log2));
+  merge::Accumulator a[kItems];
+  const int chunks_end = kItems > 1 ? kParts : p.parts;  // a constant trip count of one with several items
   // Every lane passes through the part loop at least once (D = 0 included) for the LSE.
-  const int packs = active ? max(p.head_dim / kElems, 1) : 0;
+  const int packs = max(p.head_dim / kElems, 1);
   for (int v = lane; v < packs; v += lanes) {
     const bool has_pack = v * kElems < p.head_dim;
-    float acc[kElems] = {};
-    a = merge::Accumulator{};
-    for (int i0 = 0; i0 < p.parts; i0 += kPartsInFlight) {
-      // The LSEs and O packs of a chunk of parts are loaded together (an empty part's O too: it
-      // is read but never used), so one memory latency covers the chunk.
-      float lse[kPartsInFlight];
-      Vec x[kPartsInFlight];
+    float acc[kItems][kElems] = {};
 #pragma unroll
-      for (int j = 0; j < kPartsInFlight; ++j) {
-        const int i = i0 + j;
-        if (i >= p.parts) continue;
-        lse[j] = p.part(i).lse[i * p.lse_part_step + (i == 0 ? first_lse : second_lse)];
-        if (has_pack)
-          x[j] = reinterpret_cast<const Vec*>(static_cast<const T*>(p.part(i).out) + i * p.out_part_step +
-                                              (i == 0 ? first_row : second_row))[v];
-      }
+    for (int k = 0; k < kItems; ++k) a[k] = merge::Accumulator{};
+    for (int i0 = 0; i0 < chunks_end; i0 += kParts) {
+      // The LSEs and O packs of a chunk of parts of every item are loaded together (an empty
+      // part's O too: it is read but never used), so one memory latency covers them all.
+      float lse[kItems][kParts];
+      Vec x[kItems][kParts];
 #pragma unroll
-      for (int j = 0; j < kPartsInFlight; ++j) {
-        if (i0 + j >= p.parts) break;
-        float weight;
-        const float rescale = a.add(lse[j], weight);
-        if (rescale != 1.0f)
+      for (int k = 0; k < kItems; ++k)
 #pragma unroll
-          for (int e = 0; e < kElems; ++e) acc[e] *= rescale;
-        if (weight != 0.0f && has_pack)
+        for (int j = 0; j < kParts; ++j) {
+          const int i = i0 + j;
+          if (!items[k].active || i >= p.parts) continue;
+          lse[k][j] = p.part_lse(i, items[k].b, items[k].s, items[k].h);
+          if (has_pack)
+            x[k][j] = reinterpret_cast<const Vec*>(static_cast<const T*>(p.part(i).out) +
+                                                   p.part_out_offset(i, items[k].b, items[k].s, items[k].h))[v];
+        }
+      const bool last_chunk = i0 + kParts >= p.parts;
 #pragma unroll
-          for (int e = 0; e < kElems; ++e) acc[e] += weight * to_float(x[j].e[e]);
+      for (int k = 0; k < kItems; ++k) {
+        if (!items[k].active) continue;
+#pragma unroll
+        for (int j = 0; j < kParts; ++j) {
+          if (i0 + j >= p.parts) break;
+          float weight;
+          const float rescale = a[k].add(lse[k][j], weight);
+          if (rescale != 1.0f)
+#pragma unroll
+            for (int e = 0; e < kElems; ++e) acc[k][e] *= rescale;
+          if (weight != 0.0f && has_pack)
+#pragma unroll
+            for (int e = 0; e < kElems; ++e) acc[k][e] += weight * to_float(x[k][j].e[e]);
+        }
+        // The last chunk finishes the item at once (its accumulator is dead after the store).
+        if (last_chunk && has_pack) {
+          const float inv_sum = a[k].inv_sum();
+          Vec y;
+#pragma unroll
+          for (int e = 0; e < kElems; ++e) y.e[e] = from_float<T>(acc[k][e] * inv_sum);
+          reinterpret_cast<Vec*>(static_cast<T*>(p.result.out) +
+                                 p.result.out_offset(items[k].b, items[k].s, items[k].h))[v] = y;
+        }
       }
     }
     if (!has_pack) break;
-    const float inv_sum = a.inv_sum();
-    Vec y;
-#pragma unroll
-    for (int e = 0; e < kElems; ++e) y.e[e] = from_float<T>(acc[e] * inv_sum);
-    reinterpret_cast<Vec*>(out)[v] = y;
   }
   // In place the output LSE may be a part's: every lane of the item has read it before this.
   // Groups never straddle a warp, and every lane of the warp gets here.
   __syncwarp();
-  if (active && lane == 0 && p.result.lse) p.result.lse[p.result.lse_offset(b, s, h)] = a.lse();
+  if (lane == 0 && p.result.lse)
+#pragma unroll
+    for (int k = 0; k < kItems; ++k)
+      if (items[k].active) p.result.lse[p.result.lse_offset(items[k].b, items[k].s, items[k].h)] = a[k].lse();
 }
 
 // The widest pack (16, 8, 4 or 2 bytes, at least one element) that every row start is aligned
@@ -159,19 +186,34 @@ cudaError_t launch(const merge::MergeParams& p, cudaStream_t stream) {
   const int packs = p.head_dim * static_cast<int>(sizeof(T)) / bytes;
   int lanes_log2 = 0;
   while ((1 << lanes_log2) < packs && lanes_log2 < 5) ++lanes_log2;
-  const std::int64_t blocks = (p.items() + (kThreads >> lanes_log2) - 1) / (kThreads >> lanes_log2);
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const dim3 grid(static_cast<unsigned>(blocks));
-  const auto run = [&](auto kernel) { kernel<<<grid, kThreads, 0, stream>>>(p, lanes_log2); };
-  const bool many = p.parts > 2;
+  const int groups = kThreads >> lanes_log2;
+  // Eight (part, item) loads in flight per thread whatever the number of parts.
+  const auto run = [&](auto kernel, int items_per_group) {
+    const std::int64_t blocks = (p.items() + std::int64_t(groups) * items_per_group - 1) / (std::int64_t(groups) * items_per_group);
+    if (blocks > 0x7fffffff) return false;
+#if defined(BSATTN_GPU_HOST_EMULATION)  // tests/gpu/emulation: the kernel's logic on the host
+    emulate_launch(kernel, dim3(static_cast<unsigned>(blocks)), kThreads, 0, p, lanes_log2);
+#else
+    kernel<<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, stream>>>(p, lanes_log2);
+#endif
+    return true;
+  };
+  const auto run_width = [&](auto width) {
+    constexpr int kBytes = decltype(width)::value;
+    if (p.parts <= 2) return run(merge_states_kernel<T, kBytes, 2, 4>, 4);
+    if (p.parts <= 4) return run(merge_states_kernel<T, kBytes, 4, 2>, 2);
+    return run(merge_states_kernel<T, kBytes, 8, 1>, 1);
+  };
+  bool launched = false;
   switch (bytes) {
-    case 16: many ? run(merge_states_kernel<T, 16, 8>) : run(merge_states_kernel<T, 16, 2>); break;
-    case 8: many ? run(merge_states_kernel<T, 8, 8>) : run(merge_states_kernel<T, 8, 2>); break;
-    case 4: many ? run(merge_states_kernel<T, 4, 8>) : run(merge_states_kernel<T, 4, 2>); break;
+    case 16: launched = run_width(std::integral_constant<int, 16>{}); break;
+    case 8: launched = run_width(std::integral_constant<int, 8>{}); break;
+    case 4: launched = run_width(std::integral_constant<int, 4>{}); break;
     default:
-      if constexpr (sizeof(T) == 2) many ? run(merge_states_kernel<T, 2, 8>) : run(merge_states_kernel<T, 2, 2>);
+      if constexpr (sizeof(T) == 2) launched = run_width(std::integral_constant<int, 2>{});
       break;
   }
+  if (!launched) return cudaErrorInvalidConfiguration;
   return cudaGetLastError();
 }
 
