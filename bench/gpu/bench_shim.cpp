@@ -22,6 +22,8 @@ const char* bsattn_bench_error() { return g_error.c_str(); }
 struct BenchPlan {
   bsattn::Plan plan;
   bsattn::Problem problem;
+  void* k_summary = nullptr;  // proxy plans (bsattn_bench_set_proxy): [B, ceil(S/bk), Hkv, D]
+  void* v_summary = nullptr;
 };
 
 // format: 0 all_blocks (dense + mask), 1 block lists (partial set [1, Hs, nQB, nKB]).
@@ -71,6 +73,10 @@ int bsattn_bench_run(void* handle, void* q, void* k, void* v, void* out, void* l
     if (p.format == bsattn::Format::block_lists) {
       in.partial.counts = view(cnt, bsattn::DType::i32, {1, p.sparsity_heads, nqb});
       in.partial.indices = view(idx, bsattn::DType::i32, {1, p.sparsity_heads, nqb, nkb});
+    }
+    if (p.proxy != bsattn::Proxy::off) {
+      in.k_summary = view(b->k_summary, p.dtype, {B, nkb, p.heads_kv, D});
+      in.v_summary = view(b->v_summary, p.dtype, {B, nkb, p.heads_kv, D});
     }
     bsattn::Outputs o;
     o.out = view(out, p.out_dtype, {B, S, p.heads_q, D});
@@ -250,6 +256,23 @@ int bsattn_bench_set_validate(void* handle, int validate) {
   try {
     auto* b = static_cast<BenchPlan*>(handle);
     b->problem.validate = validate != 0;
+    b->plan.plan(b->problem);
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
+// Re-plans a bsattn_bench_plan plan with proxy compensation (SPEC §6) on the eligible blocks
+// (`eligible` 1) or without it (0); its runs then read k_summary / v_summary [B, ceil(S/bk), Hkv,
+// D] (e.g. from bsattn_bench_summaries). Returns 0, or -1 (bsattn_bench_error says why).
+int bsattn_bench_set_proxy(void* handle, int eligible, void* k_summary, void* v_summary) {
+  try {
+    auto* b = static_cast<BenchPlan*>(handle);
+    b->problem.proxy = eligible ? bsattn::Proxy::eligible : bsattn::Proxy::off;
+    b->k_summary = k_summary;
+    b->v_summary = v_summary;
     b->plan.plan(b->problem);
     return 0;
   } catch (const std::exception& e) {

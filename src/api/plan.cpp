@@ -65,6 +65,7 @@ struct DeviceWorkspace {
   std::int32_t* overflow = nullptr;  // [2]: {row + 1, routes needed} of an overflowing row, else 0
   std::int32_t* work_counter = nullptr;  // right after the overflow flag: one memset clears both
   std::int32_t* counts = nullptr;
+  std::int32_t* proxy_counts = nullptr;  // right after counts: the proxy records per row (proxy kernels)
   std::int32_t* row_order = nullptr;
   std::int32_t* cu_total_m_blocks = nullptr;
   std::int32_t* cu_block_idx_offsets = nullptr;
@@ -91,7 +92,7 @@ struct DeviceWorkspace {
     device = dev;
     const auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
     const std::size_t off_counts = 256;
-    const std::size_t off_order = off_counts + align(static_cast<std::size_t>(rows) * sizeof(std::int32_t));
+    const std::size_t off_order = off_counts + align(2 * static_cast<std::size_t>(rows) * sizeof(std::int32_t));
     const std::size_t off_cu_m = off_order + align(static_cast<std::size_t>(rows) * sizeof(std::int32_t));
     const std::size_t off_cu_idx = off_cu_m + align((batch + 1) * sizeof(std::int32_t));
     const std::size_t off_routes = off_cu_idx + align((batch + 1) * sizeof(std::int32_t));
@@ -103,6 +104,7 @@ struct DeviceWorkspace {
     overflow = reinterpret_cast<std::int32_t*>(p);
     work_counter = overflow + 2;
     counts = reinterpret_cast<std::int32_t*>(p + off_counts);
+    proxy_counts = counts + rows;
     row_order = reinterpret_cast<std::int32_t*>(p + off_order);
     cu_total_m_blocks = reinterpret_cast<std::int32_t*>(p + off_cu_m);
     cu_block_idx_offsets = reinterpret_cast<std::int32_t*>(p + off_cu_idx);
@@ -213,8 +215,12 @@ void Plan::plan(const Problem& problem) {
       throw Error("problem.dtype", std::string(to_string(problem.dtype)) + ": the GPU kernels take f16 or bf16");
     if (problem.out_dtype != DType::bf16 && problem.out_dtype != DType::f16 && problem.out_dtype != DType::f32)
       throw Error("problem.out_dtype", std::string(to_string(problem.out_dtype)) + ": expected f16, bf16 or f32");
-    if (problem.proxy != Proxy::off)
-      throw Error("problem.proxy", "proxy routes are not implemented on the GPU yet; use Device::cpu");
+    if (problem.proxy != Proxy::off &&
+        gpu::forward_kernel_block_n(problem.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16,
+                                    problem.head_dim, next->tiles.tile_m, next->tiles.tile_n, true) == 0)
+      throw Error("problem.proxy", "proxy routes on the GPU take f16 or bf16 at head_dim 128 (in this build's "
+                                   "BSATTN_GPU_DTYPES); got " + std::string(to_string(problem.dtype)) +
+                                       ", head_dim " + std::to_string(problem.head_dim) + "; use Device::cpu");
     if (problem.kv_layout == KVLayout::paged && problem.page_size % 16 != 0)
       throw Error("problem.page_size", std::to_string(problem.page_size) +
                                            ": the GPU kernels take pages of a multiple of 16 tokens; use Device::cpu");
@@ -250,7 +256,8 @@ void Plan::plan(const Problem& problem) {
     {
       DeviceGuard guard(problem.device_index);
       const ElementType et = problem.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16;
-      cuda_check(gpu::configure_forward(et, problem.head_dim, next->tiles.tile_m, next->tiles.tile_n),
+      cuda_check(gpu::configure_forward(et, problem.head_dim, next->tiles.tile_m, next->tiles.tile_n,
+                                        problem.proxy != Proxy::off),
                  "configure forward kernel");
       if (has_backward)
         cuda_check(gpu::configure_backward(et, problem.head_dim, next->tiles.tile_n), "configure backward kernel");
@@ -360,7 +367,10 @@ void Plan::Impl::prepare_gpu_routes(AttentionParams& a, Stream stream) {
   a.route_counts = ws.counts;
   a.row_order = ws.row_order;
   a.work_counter = ws.work_counter;
-  cuda_check(gpu::prepare_routes(a, ws.routes, ws.counts, ws.overflow, s), "prepare_routes");
+  if (a.route.proxy_mode != 0) a.route_proxy_counts = ws.proxy_counts;
+  cuda_check(gpu::prepare_routes(a, ws.routes, ws.counts, ws.overflow, s,
+                                 a.route.proxy_mode != 0 ? ws.proxy_counts : nullptr),
+             "prepare_routes");
 }
 
 // GPU backward: the checks and binding of the CPU path, then route preparation and the backward

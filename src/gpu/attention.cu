@@ -11,6 +11,8 @@ BSATTN_DECLARE_FAMILY(bf16_d256)
 BSATTN_DECLARE_FAMILY(f16_d64)
 BSATTN_DECLARE_FAMILY(f16_d128)
 BSATTN_DECLARE_FAMILY(f16_d256)
+BSATTN_DECLARE_FAMILY(proxy_bf16_d128)
+BSATTN_DECLARE_FAMILY(proxy_f16_d128)
 #undef BSATTN_DECLARE_FAMILY
 }  // namespace fwd
 
@@ -18,8 +20,22 @@ namespace {
 
 using Family = cudaError_t (*)(const AttentionParams*, int, int, const TokenExtents&, const int*, cudaStream_t);
 
-// The compiled family for (dtype, head dim); null when the build left it out.
-Family family(ElementType t, int d) {
+// The compiled proxy family (SPEC §6) for (dtype, head dim): f16 and bf16 at D = 128 so far.
+Family proxy_family(ElementType t, int d) {
+#ifdef BSATTN_FWD_PROXY_BF16_D128
+  if (t == ElementType::bf16 && d == 128) return &fwd::run_proxy_bf16_d128;
+#endif
+#ifdef BSATTN_FWD_PROXY_F16_D128
+  if (t == ElementType::f16 && d == 128) return &fwd::run_proxy_f16_d128;
+#endif
+  (void)t;
+  (void)d;
+  return nullptr;
+}
+
+// The compiled family for (dtype, head dim, proxy compensation); null when the build left it out.
+Family family(ElementType t, int d, bool proxy) {
+  if (proxy) return proxy_family(t, d);
 #define BSATTN_FAMILY(DT, TYPE, D)                                         \
   if (t == ElementType::TYPE && d == D) return BSATTN_FAMILY_PTR_##DT##_##D;
 #ifdef BSATTN_FWD_BF16_D64
@@ -64,8 +80,8 @@ Family family(ElementType t, int d) {
 
 }  // namespace
 
-int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile_n) {
-  if (!family(dtype, head_dim)) return 0;
+int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy) {
+  if (!family(dtype, head_dim, proxy)) return 0;
   if (tile_m != 64 && tile_m != 128) return 0;
   if (tile_n <= 0 || tile_n % 16 != 0) return 0;
   if (tile_n <= 64) return 64;
@@ -73,17 +89,18 @@ int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile
   return 0;
 }
 
-cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n) {
-  const Family f = family(dtype, head_dim);
-  const int block_n = forward_kernel_block_n(dtype, head_dim, tile_m, tile_n);
+cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy) {
+  const Family f = family(dtype, head_dim, proxy);
+  const int block_n = forward_kernel_block_n(dtype, head_dim, tile_m, tile_n, proxy);
   if (!f || block_n == 0) return cudaErrorInvalidValue;
   return f(nullptr, tile_m, block_n, TokenExtents{}, nullptr, nullptr);
 }
 
 cudaError_t run_forward(const AttentionParams& a, const TokenExtents& extents, const int* overflow,
                         cudaStream_t stream) {
-  const Family f = family(a.in_type, a.head_dim);
-  const int block_n = forward_kernel_block_n(a.in_type, a.head_dim, a.route.tile_m, a.route.tile_n);
+  const bool proxy = a.route.proxy_mode != 0;
+  const Family f = family(a.in_type, a.head_dim, proxy);
+  const int block_n = forward_kernel_block_n(a.in_type, a.head_dim, a.route.tile_m, a.route.tile_n, proxy);
   if (!f || block_n == 0) return cudaErrorInvalidValue;
   return f(&a, a.route.tile_m, block_n, extents, overflow, stream);
 }

@@ -97,6 +97,7 @@ class Case {
   Buffer *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr, *lse = nullptr;
   Buffer *cu_q = nullptr, *cu_k = nullptr;
   Buffer *doc_q = nullptr, *doc_kv = nullptr, *kv_valid = nullptr;
+  Buffer *k_summary = nullptr, *v_summary = nullptr;  // proxy cases (built by the CPU engine)
   Inputs in_host, in_device;
   Outputs out_host, out_device;
 
@@ -151,6 +152,8 @@ class Case {
     both(&Inputs::doc_q, doc_q);
     both(&Inputs::doc_kv, doc_kv);
     both(&Inputs::kv_valid, kv_valid);
+    both(&Inputs::k_summary, k_summary);
+    both(&Inputs::v_summary, v_summary);
     out_host.out = out->view(Device::cpu);
     out_device.out = out->view(Device::cuda);
     if (lse) {
@@ -174,6 +177,9 @@ struct CaseSpec {
   int max_seqlen = 300;
   int batch = 0;  // 0: drawn
   bool out_f32 = false;  // f32 output (the kernel stages it in two column halves)
+  // Proxy compensation (SPEC §6): summaries built by the CPU engine; an explicit set names each
+  // unselected block with probability 0.6, and every block of an empty row.
+  Proxy proxy = Proxy::off;
   std::uint64_t seed = 1;
 };
 
@@ -207,6 +213,7 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
   p.has_partial = true;
   p.has_full = spec.format != Format::all_blocks && spec.full_set;
   p.q_layout = varlen ? QLayout::varlen : QLayout::batched;
+  p.proxy = spec.proxy;
 
   // Sequence lengths: tails everywhere; varlen has empty sequences.
   for (int b = 0; b < p.batch; ++b) {
@@ -309,6 +316,8 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
   const int Bs = c->pattern_batch(), Hs = c->hs(), nQB = c->max_q_blocks();
   c->partial_rows.assign(static_cast<std::size_t>(Bs) * Hs * nQB, {});
   c->full_rows.assign(c->partial_rows.size(), {});
+  std::vector<std::vector<int>> proxy_rows(c->partial_rows.size());
+  const bool explicit_proxy = spec.proxy == Proxy::explicit_set;
   if (spec.format != Format::all_blocks) {
     for (int b = 0; b < Bs; ++b) {
       // With Bs = 1 the pattern must fit every sequence: use the smallest block counts.
@@ -317,9 +326,16 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
       for (int h = 0; h < Hs; ++h)
         for (int qb = 0; qb < qbs; ++qb) {
           const std::size_t r = c->row(b, h, qb);
-          if (chance(0.1)) continue;  // empty row
+          if (chance(0.1)) {  // empty row
+            if (explicit_proxy)
+              for (int kb = 0; kb < kbs; ++kb) proxy_rows[r].push_back(kb);
+            continue;
+          }
           for (int kb = 0; kb < kbs; ++kb) {
-            if (!chance(spec.density)) continue;
+            if (!chance(spec.density)) {
+              if (explicit_proxy && chance(0.6)) proxy_rows[r].push_back(kb);
+              continue;
+            }
             if (p.has_full && chance(0.4)) c->full_rows[r].push_back(kb);
             else c->partial_rows[r].push_back(kb);
           }
@@ -420,14 +436,26 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
   };
   emit_set(c->partial_rows, c->in_host.partial, c->in_device.partial);
   if (p.has_full) emit_set(c->full_rows, c->in_host.full, c->in_device.full);
+  if (explicit_proxy) emit_set(proxy_rows, c->in_host.proxy, c->in_device.proxy);
   for (auto& b : c->buffers) b->upload();
   c->bind_views();
+  if (spec.proxy != Proxy::off) {
+    Problem host = p;
+    host.device = Device::cpu;
+    host.validate = true;
+    c->k_summary = c->add(p.dtype, {p.batch, c->max_kv_blocks(), p.heads_kv, D});
+    c->v_summary = c->add(p.dtype, {p.batch, c->max_kv_blocks(), p.heads_kv, D});
+    build_summaries(host, c->in_host, c->k_summary->view(Device::cpu), c->v_summary->view(Device::cpu));
+    c->k_summary->upload();
+    c->v_summary->upload();
+    c->bind_views();
+  }
   c->name = std::string(to_string(spec.format)) + (varlen ? " varlen" : " batched") +
             (p.dtype == DType::bf16 ? " bf16" : " f16") + " D=" + std::to_string(D) + " block=(" +
             std::to_string(spec.bq) + "," + std::to_string(spec.bk) + ") Hq=" + std::to_string(p.heads_q) +
             " Hkv=" + std::to_string(p.heads_kv) + " Hs=" + std::to_string(p.sparsity_heads) +
             " Bs=" + std::to_string(p.sparsity_batch) + " B=" + std::to_string(p.batch) + " mask=" +
-            std::to_string(mask) + " seed=" + std::to_string(spec.seed);
+            std::to_string(mask) + " proxy=" + to_string(spec.proxy) + " seed=" + std::to_string(spec.seed);
   c->poison_outputs();
   return c;
 }

@@ -25,6 +25,7 @@
 #include "gpu/fwd/epilogue.cuh"
 #include "gpu/fwd/mask.cuh"
 #include "gpu/fwd/producer.cuh"
+#include "gpu/fwd/proxy.cuh"
 #include "gpu/fwd/scheduler.cuh"
 #include "gpu/fwd/softmax.cuh"
 #include "gpu/fwd/traits.cuh"
@@ -55,7 +56,8 @@ struct WsConfig {
 };
 
 // kTokenTensors: the mask policy (RouteMask::apply); the launch picks the kernel by problem.
-template <class T, bool kTokenTensors>
+// kProxy: proxy compensation (proxy.cuh), only in the kernels of problems with proxy routes.
+template <class T, bool kTokenTensors, bool kProxy = false>
 __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     forward_kernel_ws(const __grid_constant__ AttentionParams a, const int* __restrict__ overflow,
                       const __grid_constant__ LaunchDescriptors desc) {
@@ -114,7 +116,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   // barriers (not mbarriers): compute-sanitizer's racecheck sees the ordering.
   // Named barrier ids: 0 __syncthreads; 1, 2 the consumer warpgroups; 3, 4 ping-pong.
   constexpr int kTileFull = 5, kTileEmpty = 7, kEpilogueSync = 9;
-  const int handoff_threads = T::kThreads + 32 + (tma ? 32 : kLoaderThreads);
+  const int handoff_threads = T::kThreads + 32 + (tma && !kProxy ? 32 : kLoaderThreads);
   // Reader side of tile t: null when there is no more work (then nothing is released).
   auto take_tile = [&](int t) -> const Tile* {
     barrier_sync(kTileFull + (t & 1), handoff_threads);
@@ -145,7 +147,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
           const bool first = !prev.written;
           const int item = first ? first_item<kPair>() : next_item<kPair>(a, prev.item);
           if (item < work_items(a, T::kItemHeads))
-            decode_tile(a, item, T::kItemHeads, first ? 0 : prev.first + prev.count, slot);
+            decode_tile(a, item, T::kItemHeads, first ? 0 : prev.first + prev.count, slot, kProxy ? kBlockN : 0);
           else slot.row = -1;  // no more work
           slot.written = 1;
         }
@@ -163,20 +165,27 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     }
     // The loader. With TMA one thread issues the bulk tensor copies (a paged cache: one warp, a
     // box per lane); the others exit rather than wait in leave() (a live lane that skips the
-    // tile-handoff bar.arrive would stall it).
-    if (tid >= (!tma ? kLoaderThreads : a.route.paged ? 32 : 1)) return;
+    // tile-handoff bar.arrive would stall it). A proxy kernel keeps the kLoaderThreads threads: they
+    // gather the summary rows of the proxy steps.
+    const int issuers = !tma ? kLoaderThreads : a.route.paged ? 32 : 1;
+    if (tid >= (kProxy ? kLoaderThreads : issuers)) return;
     const auto stream = [&](auto slot_index) -> bool {
       constexpr int s = decltype(slot_index)::value;
       barrier_sync(kTileFull + s, handoff_threads);
       const Tile& slot = sm.tile[s];
       if (slot.row < 0) return false;
-      load_tile_routes<T>(slot, tma, a, desc, st, bars, tid);
+      if constexpr (kProxy) {
+        if (tid < issuers) load_tile_routes<T>(slot, tma, a, desc, st, bars, tid);
+        load_proxy_steps<T>(slot, tma, a, st, bars, tid);
+      } else {
+        load_tile_routes<T>(slot, tma, a, desc, st, bars, tid);
+      }
       barrier_arrive(kTileEmpty + s, handoff_threads);
       return true;
     };
     while (stream(Int<0>{}) && stream(Int<1>{})) {
     }
-    if (!tma) cp_async_wait<0>();
+    if (!tma || kProxy) cp_async_wait<0>();
     leave();
     return;
   }
@@ -263,7 +272,14 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
 
     OnlineSoftmax<kRows> softmax(a.scale);
     clear(tOrO);
-    auto mask_softmax = [&](const route::Route rt, float (&rescale)[kRows]) {
+    // Route `step` of the tile (record rt when it is exact).
+    auto mask_softmax = [&](const route::Route rt, int step, float (&rescale)[kRows]) {
+      if constexpr (kProxy) {
+        if (step >= tile.exact) {
+          proxy_softmax<kBlockN>(s_rc, c_rc, tile, step, p.block_kv, tile_row0, p.unit_m, softmax, rescale);
+          return;
+        }
+      }
       RouteMask m;
       m.k0 = rt.index * p.tile_n;
       m.n_valid = min(p.tile_n, si.seqlen_kv - m.k0);
@@ -293,7 +309,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       if (count > 1) release(bars.empty_k, base);
       else release_q();
       float rescale[kRows];  // of the last softmax: O takes it just before the next PV
-      mask_softmax(routes[0], rescale);
+      mask_softmax(routes[0], 0, rescale);
       convert_p();
       // Steady state: S(i+1) and PV(i) in flight together; O takes the rescale of softmax i
       // while S(i+1) runs (PV(i-1) is complete), not between PV(i) completing and the next
@@ -320,7 +336,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         warpgroup_fence_operand(tSrS);
         if (j + 1 < last) release(bars.empty_k, j + 1);
         else release_q();
-        mask_softmax(rt, rescale);
+        mask_softmax(rt, i + 1, rescale);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         warpgroup_fence_operand(tOrP);
@@ -432,7 +448,7 @@ int resident_pairs(int device, int sms) {
 // many pairs fit (plan time, outside any graph capture).
 // A pair-multicast kernel needs TMA: where the tensors cannot be mapped it returns
 // cudaErrorNotSupported and launches nothing (the caller takes the single-CTA kernel).
-template <class T>
+template <class T, bool kProxy = false>
 cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& extents, const int* overflow,
                               cudaStream_t stream) {
   using C = WsConfig<T>;
@@ -441,14 +457,15 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
                                                    cudaSuccess)
     return cudaGetLastError();
   if (!a) {
-    for (auto kernel : {forward_kernel_ws<T, false>, forward_kernel_ws<T, true>}) {
+    for (auto kernel : {forward_kernel_ws<T, false, kProxy>, forward_kernel_ws<T, true, kProxy>}) {
       const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
       if (e != cudaSuccess) return e;
     }
     if constexpr (T::kPairMulticast) (void)resident_pairs<T>(device, sms);
     return cudaSuccess;
   }
-  auto kernel = a->route.doc_q || a->route.kv_valid ? forward_kernel_ws<T, true> : forward_kernel_ws<T, false>;
+  auto kernel = a->route.doc_q || a->route.kv_valid ? forward_kernel_ws<T, true, kProxy>
+                                                    : forward_kernel_ws<T, false, kProxy>;
   const int items = work_items(*a, T::kItemHeads);
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};
