@@ -1,11 +1,12 @@
 // SelectedAttention on the GPU (issue 11.4): one run() equals build_summaries(), select_blocks() and
 // Plan::run() called separately on the same stream, bit for bit (summaries, bitmask, O, LSE); its
 // bitmask equals the CPU engine's selection on its summaries, and its output the float64 oracle on
-// its bitmask and summaries. A CUDA graph of run() (validate = false: a host sync or an allocation
-// would break the capture) replayed after new Q/K/V values are written at the same addresses equals
-// an eager run on the new values, and its bitmask follows them. Random cases from gpu_case.hpp:
-// batched and varlen with empty sequences, GQA, D 64 / 128 / 256, every built-in mask, f32 output.
-// Proxy (problem.proxy = eligible) is skipped with a message where plan() refuses it on the GPU.
+// its bitmask and summaries (within a bf16 GEMM's error). A CUDA graph of run() (validate = false:
+// a host sync or an allocation would break the capture) replayed after new Q/K/V values are written
+// at the same addresses equals an eager run on the new values, and its bitmask follows them. Random
+// cases from gpu_case.hpp: batched and varlen with empty sequences, GQA, D 64 / 128 / 256, every
+// built-in mask, f32 output. Proxy (problem.proxy = eligible) is skipped with a message where plan()
+// refuses it on the GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -21,6 +22,10 @@
 
 namespace bsattn_gpu_test {
 namespace {
+
+// The GPU kernels round P to the input dtype before the PV product, so their error against
+// float64 is that of a bf16 / f16 GEMM, not of the output rounding: gpu_compare.hpp's bounds.
+const bsattn_test::Tolerance kGpuTolerance{0.03, 0.02, 4e-3};
 
 std::vector<unsigned char> download(const TensorView& t) {
   std::vector<unsigned char> host(static_cast<std::size_t>(t.numel()) * element_size(t.dtype));
@@ -148,8 +153,8 @@ void expect_pipeline_matches(Case& c, SelectedAttention& selected, cudaStream_t 
   if (p.proxy == Proxy::off) host_in.k_summary = TensorView{};
   else host_in.v_summary = host_view(selected.v_summary(), v_summary);
   const bsattn_test::Oracle oracle(host, host_in);
-  const std::string failure = bsattn_test::compare_outputs(host, oracle, oracle.compute(), c.out_host,
-                                                           bsattn_test::tolerance_for(p.out_dtype));
+  const std::string failure =
+      bsattn_test::compare_outputs(host, oracle, oracle.compute(), c.out_host, kGpuTolerance);
   EXPECT_TRUE(failure.empty()) << what << "\n" << failure;
 }
 
@@ -208,7 +213,7 @@ TEST_P(GpuSelectedGraphTest, ReplayWithNewValuesEqualsEagerRun) {
   const bool varlen = GetParam() & 1, proxy = GetParam() & 2;
   CaseSpec spec = pipeline_spec(5 + GetParam(), varlen, proxy);
   spec.bq = spec.bk = 64;
-  spec.max_seqlen = 1200;  // up to 19 KV blocks a row: top 3 of them move with the values
+  spec.max_seqlen = 900;  // up to 15 KV blocks a row: the top 3 move with the values
   auto c = make_case(spec);
   SelectOptions options;
   options.policy = SelectPolicy::top_k;
