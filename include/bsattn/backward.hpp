@@ -1,8 +1,9 @@
 // The backward pass (gradients of attention): dQ, dK, dV from the forward's inputs, its outputs O
 // and LSE, and dO. The same Problem and Inputs as the forward select the same attended pairs
 // (every format, partial and full sets, built-in masks, custom functors via custom_mask.hpp,
-// GQA/MQA, batched and varlen layouts). CPU engine, and GPU plans (f16 / bf16 with out_dtype =
-// dtype; no custom functors: docs/GPU.md); paged KV and proxy compensation have no backward.
+// GQA/MQA, batched and varlen layouts). CPU engine, and GPU plans made with problem.backward =
+// true (f16 / bf16 with out_dtype = dtype; no custom functors: docs/GPU.md); paged KV and proxy
+// compensation have no backward.
 #pragma once
 #include "bsattn/plan.hpp"
 
@@ -26,7 +27,8 @@ struct Gradients {
   TensorView dq, dk, dv;
 };
 
-// plan + Plan::run_backward with full validation (problem.validate is forced on).
+// plan + Plan::run_backward with full validation (problem.validate and problem.backward are
+// forced on).
 void attention_backward(const Problem& problem, const Inputs& inputs, const BackwardInputs& backward,
                         const Gradients& gradients, Stream stream = nullptr);
 

@@ -104,6 +104,11 @@ struct Problem {
   int num_threads = 0;  // CPU engine; 0: hardware concurrency
   // Value checks (indices, counts, cu_*, page ids). Structural checks always run.
   bool validate = true;
+  // Plan for the backward too: on the GPU, plan() then sizes the backward's workspace (an fp32 dQ
+  // accumulator of 4 bytes per element of Q, twice the routes), which a forward-only plan does
+  // not pay for; run_backward() on a GPU plan without it is refused (problem.backward). The CPU
+  // engine needs nothing extra and ignores it.
+  bool backward = false;
   // GPU backward: dQ contributions are added in a fixed order, so repeated runs are bit-identical
   // (slower: CTAs wait for each other's turn). The CPU engine is always deterministic.
   bool deterministic = false;

@@ -104,8 +104,8 @@ def _attention_backward(q, k, v, slots, *arguments):
     *options, out, lse, dout, dlse = arguments
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def run(problem, inputs, backward, gradients, stream):  # on the forward's cached plan
-        plan, lock = _cached_plan(problem)
+    def run(problem, inputs, backward, gradients, stream):  # on a cached plan made for the backward
+        plan, lock = _cached_plan({**problem, "backward": True})
         with lock:
             plan.run_backward(inputs, backward, gradients, stream)
 

@@ -78,6 +78,7 @@ const std::unordered_map<std::string_view, FieldSetter>& problem_fields() {
       {"tile_n", set_number<int>([](Problem& p) -> int& { return p.tile_n; })},
       {"num_threads", set_number<int>([](Problem& p) -> int& { return p.num_threads; })},
       {"validate", set_number<bool>([](Problem& p) -> bool& { return p.validate; })},
+      {"backward", set_number<bool>([](Problem& p) -> bool& { return p.backward; })},
       {"dtype", [](Problem& p, nb::handle v) { p.dtype = parse_dtype(v, "dtype"); }},
       {"out_dtype", [](Problem& p, nb::handle v) { p.out_dtype = parse_dtype(v, "out_dtype"); }},
       {"q_layout",

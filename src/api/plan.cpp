@@ -119,6 +119,12 @@ struct DeviceWorkspace {
 static bool gpu_backward_geometry(const Problem& pb, const TileShape& tiles, const route::RouteParams& geo,
                                   gpu::BackwardGeometry& out, std::string& field, std::string& why) {
   const ElementType et = pb.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16;
+  if (!pb.backward) {
+    field = "problem.backward";
+    why = "false: this plan was made for the forward only; plan with problem.backward = true to run the backward "
+          "on the GPU";
+    return false;
+  }
   if (pb.proxy != Proxy::off || pb.kv_layout == KVLayout::paged) {
     field = pb.proxy != Proxy::off ? "problem.proxy" : "problem.kv_layout";
     why = "the backward takes neither proxy routes nor paged KV";
@@ -477,6 +483,7 @@ void attention_backward(const Problem& problem, const Inputs& inputs, const Back
                         const Gradients& gradients, Stream stream) {
   Problem p = problem;
   p.validate = true;
+  p.backward = true;
   Plan plan(p);
   plan.run_backward(inputs, backward, gradients, stream);
 }

@@ -48,6 +48,7 @@ std::unique_ptr<BackwardCase> make_backward_case(const BackwardSpec& spec) {
   bc->c = make_case(spec.forward);
   Case& c = *bc->c;
   c.problem.deterministic = spec.deterministic;
+  c.problem.backward = true;
   c.name += std::string(spec.dlse ? " dlse" : "") + (spec.f32_gradients ? " f32-grads" : "") +
             (spec.deterministic ? " deterministic" : "");
   {  // O and LSE of the forward, by the CPU engine, on both sides.
