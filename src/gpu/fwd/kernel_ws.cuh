@@ -424,11 +424,24 @@ struct PairLaunch {
   }
 };
 
+constexpr int kMaxDevices = 64;  // devices whose answers below are kept (others query at each launch)
+
+// Multiprocessors of `device`, queried once per device (every launch needs it; issue 14.3); 0 if
+// the query failed (its error is left for the caller's cudaGetLastError).
+inline int multiprocessors(int device) {
+  static std::atomic<int> known[kMaxDevices] = {};
+  if (device < kMaxDevices && known[device].load(std::memory_order_relaxed) > 0)
+    return known[device].load(std::memory_order_relaxed);
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
+  if (device < kMaxDevices) known[device].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
 // CTA pairs of kernel T that fit on `device` at once (both mask policies use the same resources).
 // Items are assigned statically per cluster, and a cluster waiting for a free pair of
 // multiprocessors would run its whole share after the others, so the grid holds this many. A
 // host-side occupancy query, made at plan time and kept per device (66 on the H200).
-constexpr int kMaxDevices = 64;  // devices whose answer is kept (others query at each launch)
 template <class T>
 int resident_pairs(int device, int sms) {
   static std::atomic<int> known[kMaxDevices] = {};  // 0: not queried yet
@@ -453,9 +466,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
                               cudaStream_t stream) {
   using C = WsConfig<T>;
   int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
-                                                   cudaSuccess)
-    return cudaGetLastError();
+  if (cudaGetDevice(&device) != cudaSuccess || (sms = multiprocessors(device)) == 0) return cudaGetLastError();
   if (!a) {
     for (auto kernel : {forward_kernel_ws<T, false, kProxy>, forward_kernel_ws<T, true, kProxy>}) {
       const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
