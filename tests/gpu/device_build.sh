@@ -17,5 +17,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBSATTN_ENABLE_CUDA=
   -DCUTLASS_INCLUDE_DIR="$deps/cutlass" -DGTEST_ROOT="$deps/gtest" ${BSATTN_CMAKE_ARGS:-} >"$build.configure.log" 2>&1 ||
   { cat "$build.configure.log"; exit 1; }
 cmake --build "$build" -j "$(nproc)" --target bsattn_gpu_test bsattn_bench > "$build.log" 2>&1 || { grep -E "error|Error" "$build.log" | head -40; exit 1; }
-grep -E "spill stores|spill loads" "$build.log" | grep -v " 0 bytes spill" | sort | uniq -c | head || true
+# Kernels with spills (ptxas -v prints "Function properties for NAME" before each figure line).
+awk '/Function properties for/{f=$NF} /spill stores/ && !/ 0 bytes spill stores, 0 bytes spill loads/{print f ": " $0}' \
+  "$build.log" | sort -u | (c++filt 2>/dev/null || cat) | cut -c1-400 | head -40 || true
 echo "built $build/tests/bsattn_gpu_test and $build/bench/gpu/libbsattn_bench.so"
