@@ -1,8 +1,8 @@
 // Block selection kernel (SPEC §7). A CTA of 8 warps takes up to 8 consecutive Q blocks of one
 // (sequence, sparsity head):
 //  * pooling: a thread per (row, 8 consecutive elements of D) sums the row's query heads, then its
-//    tokens, in order, loading 128 bytes of them (8 tokens of bf16) before adding them: Q is the
-//    kernel's only DRAM stream, and these are its bytes in flight;
+//    tokens, in order, loading 128 bytes of them (8 tokens of bf16) before adding them, with the
+//    next 128 bytes prefetched to L2: Q is the kernel's only DRAM stream;
 //  * scoring: a thread per two KV blocks scores them against every row of the CTA (16 fma chains
 //    in registers; a summary vector of 8 elements read once from L2 for all rows, the rows' pooled
 //    values as shared-memory broadcasts), the CPU's fma order along D;
@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace bsattn::gpu {
 namespace {
@@ -27,6 +28,7 @@ constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kMaxRows = kWarps;       // a warp applies the policy to one row
 constexpr int kBlocksPerThread = 2;    // KV blocks one thread scores (against every row of the CTA)
+static_assert(kThreads % 32 == 0, "score_slot(j + kThreads) = score_slot(j) + score_slot(kThreads)");
 constexpr int kVector = 8;             // elements per Q / summary load; head_dim is a multiple of 8
 constexpr int kPoolBatchBytes = 128;   // Q bytes a pooling thread loads before adding them
 constexpr unsigned kFullWarp = 0xffffffffu;
@@ -57,6 +59,17 @@ __device__ __forceinline__ Packed<T> load_packed(const void* base, std::int64_t 
     v.lo = *reinterpret_cast<const uint4*>(static_cast<const std::uint16_t*>(base) + offset);
   }
   return v;
+}
+
+// Asks L2 for the line holding a vector that load_packed will read later (no register is held).
+template <ElementType T>
+__device__ __forceinline__ void prefetch_packed(const void* base, std::int64_t offset) {
+#if defined(__CUDA_ARCH__)
+  using Element = std::conditional_t<T == ElementType::f32, float, std::uint16_t>;
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const Element*>(base) + offset));
+#else
+  (void)base, (void)offset;
+#endif
 }
 
 template <ElementType T>
@@ -149,6 +162,44 @@ __device__ void warp_bitonic_sort_descending(std::uint64_t* keys, int n, int lan
       }
       __syncwarp();
     }
+}
+
+// Scores of kCount KV blocks kThreads apart (summary rows from `summary`, every one visible) against
+// the CTA's rows: an fma chain per (row, block) over d = 0, 1, ..., each summary vector of 8
+// elements read once for all rows, the rows' pooled values as shared broadcasts. Written to
+// scores[r * score_stride + slot offset of block c].
+template <ElementType T, int kCount>
+__device__ __forceinline__ void score_blocks(const AttentionParams& a, std::int64_t summary, const float* pooled, int d,
+                                             int rows, float* scores, int score_stride) {
+  float acc[kCount][kMaxRows];
+#pragma unroll
+  for (int c = 0; c < kCount; ++c)
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r) acc[c][r] = 0.0f;
+  for (int e0 = 0; e0 < d; e0 += kVector) {
+    float k[kCount][kVector];
+#pragma unroll
+    for (int c = 0; c < kCount; ++c)
+      unpack<T>(load_packed<T>(a.k_summary, summary + c * kThreads * a.summary_block_stride + e0), k[c]);
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r)
+      if (r < rows) {
+        // The row's 8 pooled values in two 16-byte shared loads (one broadcast for the warp).
+        const float4 lo = *reinterpret_cast<const float4*>(pooled + r * d + e0);
+        const float4 hi = *reinterpret_cast<const float4*>(pooled + r * d + e0 + 4);
+        const float qv[kVector] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int c = 0; c < kCount; ++c)
+#pragma unroll
+          for (int e = 0; e < kVector; ++e) acc[c][r] = route::fma_rn(qv[e], k[c][e], acc[c][r]);
+      }
+  }
+  // kThreads blocks apart is kThreads + kThreads / 32 score slots (a padding word per 32 blocks).
+#pragma unroll
+  for (int c = 0; c < kCount; ++c)
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r)
+      if (r < rows) scores[r * score_stride + c * score_slot(kThreads)] = acc[c][r];
 }
 
 // Number of blocks of Q with varlen rows before sequence b (the row base of the varlen bitmask).
@@ -315,6 +366,10 @@ __global__ void __launch_bounds__(kThreads, 4) select_kernel(const route::Select
 #pragma unroll
         for (int t = 0; t < batch_tokens; ++t)
           if (q + t < q1) batch[t] = load_packed<T>(a.q, offset + t * a.q_token_stride);
+        // The next batch goes to L2 while this one loads: twice the bytes in flight, no registers.
+#pragma unroll 1
+        for (int t = batch_tokens; t < 2 * batch_tokens && q + t < q1; ++t)
+          prefetch_packed<T>(a.q, offset + t * a.q_token_stride);
 #pragma unroll
         for (int t = 0; t < batch_tokens; ++t)
           if (q + t < q1) {
@@ -331,48 +386,17 @@ __global__ void __launch_bounds__(kThreads, 4) select_kernel(const route::Select
   __syncthreads();
 
   // Scores of every block visible to the last (widest) row, for all rows at once: a thread per
-  // kBlocksPerThread blocks (kThreads apart), an fma chain per (row, block) over d = 0, 1, ...
+  // two blocks kThreads apart while both exist, else per block.
   const int visible = route::select_row_shape(sp.rule, s, p.block_q, p.block_kv, qb0 + rows - 1).visible;
   const int hkv = hs * sp.group / (p.heads_q / p.heads_kv);
   const std::int64_t summary = b * a.summary_batch_stride + hkv * a.summary_head_stride;
   for (int j0 = threadIdx.x; j0 < visible; j0 += kBlocksPerThread * kThreads) {
-    float acc[kBlocksPerThread][kMaxRows];
-#pragma unroll
-    for (int c = 0; c < kBlocksPerThread; ++c)
-#pragma unroll
-      for (int r = 0; r < kMaxRows; ++r) acc[c][r] = 0.0f;
-    for (int e0 = 0; e0 < d; e0 += kVector) {
-      float k[kBlocksPerThread][kVector];
-#pragma unroll
-      for (int c = 0; c < kBlocksPerThread; ++c) {
-        const int j = j0 + c * kThreads;
-        if (j < visible) {
-          unpack<T>(load_packed<T>(a.k_summary, summary + j * a.summary_block_stride + e0), k[c]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kVector; ++e) k[c][e] = 0.0f;  // scored and discarded
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < kMaxRows; ++r)
-        if (r < rows) {
-          // The row's 8 pooled values in two 16-byte shared loads (one broadcast for the warp).
-          const float4 lo = *reinterpret_cast<const float4*>(pooled + r * d + e0);
-          const float4 hi = *reinterpret_cast<const float4*>(pooled + r * d + e0 + 4);
-          const float qv[kVector] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-          for (int c = 0; c < kBlocksPerThread; ++c)
-#pragma unroll
-            for (int e = 0; e < kVector; ++e) acc[c][r] = route::fma_rn(qv[e], k[c][e], acc[c][r]);
-        }
-    }
-#pragma unroll
-    for (int c = 0; c < kBlocksPerThread; ++c) {
-      const int j = j0 + c * kThreads;
-#pragma unroll
-      for (int r = 0; r < kMaxRows; ++r)
-        if (r < rows && j < visible) scores[r * layout.score_stride + score_slot(j)] = acc[c][r];
-    }
+    float* row_scores = scores + score_slot(j0);
+    if (j0 + kThreads < visible)
+      score_blocks<T, kBlocksPerThread>(a, summary + j0 * a.summary_block_stride, pooled, d, rows, row_scores,
+                                        layout.score_stride);
+    else
+      score_blocks<T, 1>(a, summary + j0 * a.summary_block_stride, pooled, d, rows, row_scores, layout.score_stride);
   }
   __syncthreads();
 

@@ -35,6 +35,12 @@ cudaError_t cudaGetDeviceProperties_v2(cudaDeviceProp* prop, int) {
 }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) { return cudaGetDeviceProperties_v2(prop, device); }
 const char* cudaGetErrorString(cudaError_t) { return "emulated CUDA error"; }
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 cudaError_t cudaGetLastError() { return cudaSuccess; }
 cudaError_t cudaStreamCreate(cudaStream_t* s) {
   *s = nullptr;

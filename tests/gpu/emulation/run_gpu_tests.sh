@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs the GPU selection and merge tests (tests/gpu/gpu_select_test.cpp, gpu_merge_test.cpp as they are)
 # without a GPU: the kernels' sources compiled for the host on cuda_emulation.hpp, a fake CUDA
-# runtime (fake_cudart.cpp: host memory, no streams), src/api/{select,merge}.cpp compiled with the
-# CUDA path on (device helpers stubbed), the rest of the library from a CPU build's libbsattn.a.
+# runtime (fake_cudart.cpp: host memory, no streams), src/api/{select,merge}.cpp and
+# src/formats/validate.cpp compiled with the CUDA path on (device helpers stubbed; validation reads
+# "device" metadata through the fake cudaMemcpy), the rest of the library from a CPU build's
+# libbsattn.a.
 #   tests/gpu/emulation/run_gpu_tests.sh <libbsattn.a of a CPU build> [gtest arguments]
 # Graph capture is not emulated: the GpuSelectGraph test is filtered out. BSATTN_EMULATION_REVERSE=1
 # runs each block's threads in reverse order between barriers (a missing barrier changes results).
@@ -18,7 +20,8 @@ flags=(-std=c++20 -O2 -ffp-contract=off -w -DBSATTN_WITH_CUDA=1 -DBSATTN_GPU_HOS
        -I"$here/stub" -I"$root/include" -I"$root/src" -I"$root/tests/cpu" -I"$root/tests/gpu" -I"$cuda_include")
 objects=()
 for src in "$here/select_kernel_emulated.cpp" "$here/merge_kernel_emulated.cpp" "$here/fake_cudart.cpp" \
-           "$root/src/api/select.cpp" "$root/src/api/merge.cpp" "$root/tests/cpu/oracle.cpp" \
+           "$root/src/api/select.cpp" "$root/src/api/merge.cpp" "$root/src/formats/validate.cpp" \
+           "$root/tests/cpu/oracle.cpp" \
            "$root/tests/gpu/gpu_select_test.cpp" "$root/tests/gpu/gpu_merge_test.cpp"; do
   object="$out/$(basename "${src%.*}").o"
   g++ "${flags[@]}" -c "$src" -o "$object"
