@@ -85,14 +85,11 @@ __device__ __forceinline__ void load_proxy_steps(const Tile& tile, bool tma, con
 
 // Row-sum weight of a proxy column: the block's in-range tokens. Every block has block_kv but the
 // sequence's last one, which may be short; being the highest block, it can only be the row's
-// last record, so one column (`short_col`, -1 if none in this step) differs.
-template <class TC>
-struct ProxyColumnWeight {
+// last record, so at most one column of a row differs (proxy_softmax corrects it after the step).
+struct BlockTokenWeight {
   static constexpr bool kUnit = false;
-  const TC& c;  // (row, col) coordinates of the score fragment (rowcol view)
-  int short_col;
-  float n_short, n_full;
-  __device__ __forceinline__ float operator()(int j) const { return get<1>(c(0, j)) == short_col ? n_short : n_full; }
+  float tokens;
+  __device__ __forceinline__ float operator()(int) const { return tokens; }
 };
 
 // Softmax of proxy step `step` (>= tile.exact) of this warpgroup's score tile s (rowcol view, c
@@ -130,14 +127,19 @@ __device__ __forceinline__ void proxy_softmax(TS& s, const TC& c, const Tile& ti
       for (int i = 0; i < kRows; ++i) s(i, j) = -INFINITY;
     }
   }
+  softmax.step(s, rescale, BlockTokenWeight{static_cast<float>(block_kv)});
   const int last = tile.proxies - 1 - first;  // the row's last record, as a column of this step
-  int short_col = -1, n_short = 0;
   if (last < kBlockN) {
-    n_short = tile.si.seqlen_kv - records[last].index * block_kv;
-    if (n_short < block_kv) short_col = last;
+    const int tokens = tile.si.seqlen_kv - records[last].index * block_kv;
+    if (tokens < block_kv) {  // a short last block: its column counts `tokens`, not block_kv
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(s); ++j)
+        if (get<1>(c(0, j)) == last) {
+          CUTE_UNROLL
+          for (int i = 0; i < kRows; ++i) softmax.row_sum[i] += static_cast<float>(tokens - block_kv) * s(i, j);
+        }
+    }
   }
-  softmax.step(s, rescale,
-               ProxyColumnWeight<TC>{c, short_col, static_cast<float>(n_short), static_cast<float>(block_kv)});
 }
 
 }  // namespace bsattn::gpu::fwd
