@@ -115,6 +115,16 @@ void expect_match(const Case& c, const Result& gpu, const Result& cpu) {
   EXPECT_EQ(lse_bad, 0u) << c.name;
 }
 
+// The CPU engine on the same paged inputs (host copies), outputs poisoned first.
+Result run_cpu_engine(Case& c) {
+  Problem cpu_problem = c.problem;
+  cpu_problem.device = Device::cpu;
+  std::fill(c.out->host.begin(), c.out->host.end(), 0xff);
+  std::fill(c.lse->host.begin(), c.lse->host.end(), 0xff);
+  Plan(cpu_problem).run(c.in_host, c.out_host);
+  return read_outputs(c, Device::cpu);
+}
+
 struct PagedSweep {
   Format format;
   bool varlen;
@@ -153,13 +163,7 @@ TEST(GpuPaged, EveryFormatAndPageSize) {
         CUDA_OK(cudaDeviceSynchronize());
       }
       const Result gpu = read_outputs(*c, Device::cuda);
-      Problem cpu_problem = c->problem;
-      cpu_problem.device = Device::cpu;
-      std::fill(c->out->host.begin(), c->out->host.end(), 0xff);
-      std::fill(c->lse->host.begin(), c->lse->host.end(), 0xff);
-      Plan cpu(cpu_problem);
-      cpu.run(c->in_host, c->out_host);
-      expect_match(*c, gpu, read_outputs(*c, Device::cpu));
+      expect_match(*c, gpu, run_cpu_engine(*c));
     }
 }
 
@@ -232,13 +236,7 @@ TEST(GpuPaged, GraphReplayWithNewTablesAndLengths) {
     EXPECT_EQ(0, std::memcmp(replay.lse.data(), eager.lse.data(), replay.lse.size() * 4));
     EXPECT_NE(before.lse, replay.lse);  // the new lengths mattered
 
-    Problem cpu_problem = c->problem;
-    cpu_problem.device = Device::cpu;
-    std::fill(c->out->host.begin(), c->out->host.end(), 0xff);
-    std::fill(c->lse->host.begin(), c->lse->host.end(), 0xff);
-    Plan cpu(cpu_problem);
-    cpu.run(c->in_host, c->out_host);
-    expect_match(*c, replay, read_outputs(*c, Device::cpu));
+    expect_match(*c, replay, run_cpu_engine(*c));
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     cudaStreamDestroy(stream);
