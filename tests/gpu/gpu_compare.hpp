@@ -78,4 +78,18 @@ inline void expect_close(const Case& c, const Result& gpu, const Result& ref) {
                          << gpu.lse[first_lse] << " ref " << ref.lse[first_lse];
 }
 
+// One random case planned and run on the GPU (outputs poisoned by make_case), against the CPU
+// engine on the same inputs.
+inline void check_against_cpu(const CaseSpec& spec) {
+  auto c = make_case(spec);
+  SCOPED_TRACE(c->name);
+  {
+    Plan plan(c->problem);
+    plan.run(c->in_device, c->out_device, nullptr);
+    plan.check(nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+  }
+  expect_close(*c, download(*c), run_cpu(*c));
+}
+
 }  // namespace bsattn_gpu_test

@@ -17,20 +17,6 @@
 namespace bsattn_gpu_test {
 namespace {
 
-void check_case(const CaseSpec& spec) {
-  auto c = make_case(spec);
-  SCOPED_TRACE(c->name);
-  {
-    Plan plan(c->problem);
-    plan.run(c->in_device, c->out_device, nullptr);
-    plan.check(nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
-  }
-  const Result gpu = download(*c);
-  const Result ref = run_cpu(*c);
-  expect_close(*c, gpu, ref);
-}
-
 struct Sweep {
   Format format;
   bool varlen;
@@ -49,7 +35,7 @@ TEST(GpuForward, EveryFormatBf16D128) {
       spec.format = s.format;
       spec.varlen = s.varlen;
       spec.seed = seed++;
-      check_case(spec);
+      check_against_cpu(spec);
     }
 }
 
@@ -70,7 +56,7 @@ TEST(GpuForward, DtypesHeadDimsAndBlocks) {
         spec.varlen = s.varlen;
         spec.out_f32 = seed % 3 == 0;
         spec.seed = seed++;
-        check_case(spec);
+        check_against_cpu(spec);
       }
 }
 
@@ -98,7 +84,7 @@ TEST(GpuForward, PersistentManyTiles) {
     spec.mask = i < 4 ? i : (i == 4 ? 1 : 4);  // the pair with the positional and the token-tensor mask
     spec.out_f32 = i == 3;
     spec.seed = seed++;
-    check_case(spec);
+    check_against_cpu(spec);
   }
 }
 
@@ -118,7 +104,7 @@ TEST(GpuForward, GqaAndMasks) {
       spec.format = s.format;
       spec.varlen = s.varlen;
       spec.seed = seed++;
-      check_case(spec);
+      check_against_cpu(spec);
     }
 }
 
@@ -133,7 +119,7 @@ TEST(GpuForward, LongerSequencesDense) {
     spec.hq = 2;
     spec.hkv = 1;
     spec.seed = 9000 + i;
-    check_case(spec);
+    check_against_cpu(spec);
   }
 }
 

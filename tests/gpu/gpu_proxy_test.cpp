@@ -16,20 +16,6 @@
 namespace bsattn_gpu_test {
 namespace {
 
-void check_proxy_case(const CaseSpec& spec) {
-  auto c = make_case(spec);
-  SCOPED_TRACE(c->name);
-  {
-    Plan plan(c->problem);
-    plan.run(c->in_device, c->out_device, nullptr);
-    plan.check(nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
-  }
-  const Result gpu = download(*c);
-  const Result ref = run_cpu(*c);
-  expect_close(*c, gpu, ref);
-}
-
 struct Sweep {
   Format format;
   bool varlen;
@@ -61,7 +47,7 @@ TEST(GpuProxy, EligibleEveryFormatAndBlock) {
       spec.density = 0.3;
       spec.out_f32 = seed % 3 == 0;
       spec.seed = seed++;
-      check_proxy_case(spec);
+      check_against_cpu(spec);
     }
 }
 
@@ -78,7 +64,7 @@ TEST(GpuProxy, ExplicitSetEveryFormat) {
       spec.bk = rep == 2 ? 64 : 128;
       spec.density = 0.25;
       spec.seed = seed++;
-      check_proxy_case(spec);
+      check_against_cpu(spec);
     }
   }
 }
@@ -102,7 +88,7 @@ TEST(GpuProxy, GqaAndMasks) {
       spec.varlen = kSweeps[seed % kNumSweeps].varlen;
       spec.density = 0.2;
       spec.seed = seed++;
-      check_proxy_case(spec);
+      check_against_cpu(spec);
     }
 }
 
@@ -121,7 +107,7 @@ TEST(GpuProxy, ManyProxyStepsAndShortLastBlock) {
       spec.batch = 1;
       spec.density = 0.1;
       spec.seed = seed++;
-      check_proxy_case(spec);
+      check_against_cpu(spec);
     }
 }
 
@@ -137,7 +123,7 @@ TEST(GpuProxy, DenseAndEmptySelections) {
       spec.density = density;
       spec.bk = 64;
       spec.seed = seed++;
-      check_proxy_case(spec);
+      check_against_cpu(spec);
     }
 }
 
