@@ -2,7 +2,7 @@
 """GPU forward benchmark of bsattn against FlexAttention (same BlockMask), cuDNN SDPA and
 FlashAttention-4 (same block pattern, as full-block lists: bench/gpu/peer_fa4.py).
 
-bsattn runs through libbsattn_bench.so (bench/gpu/bench_shim.cpp, bench_shim_varlen.cpp) on the
+bsattn runs through libbsattn_bench.so (bench/gpu/bench_shim.cpp) on the
 very torch tensors the peers read. Every configuration is checked against a peer and against a
 float32 reference on slices of query rows before it is timed; FlashAttention-4 is checked against
 bsattn's output and the same reference before it is timed. Times are the median of >= 20
@@ -64,14 +64,11 @@ def load(path):
     lib.bsattn_bench_check.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.bsattn_bench_free.argtypes = [ctypes.c_void_p]
     lib.bsattn_bench_error.restype = ctypes.c_char_p
-    if hasattr(lib, "bsattn_bench_plan_varlen"):  # bench_shim_varlen.cpp (older builds lack it)
+    if hasattr(lib, "bsattn_bench_plan_varlen"):  # older builds lack it
         lib.bsattn_bench_plan_varlen.restype = ctypes.c_void_p
         lib.bsattn_bench_plan_varlen.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64] + [ctypes.c_int] * 8
         lib.bsattn_bench_run_varlen.restype = ctypes.c_int
         lib.bsattn_bench_run_varlen.argtypes = [ctypes.c_void_p] * 8
-        lib.bsattn_bench_check_varlen.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        lib.bsattn_bench_free_varlen.argtypes = [ctypes.c_void_p]
-        lib.bsattn_bench_varlen_error.restype = ctypes.c_char_p
     return lib
 
 
@@ -149,24 +146,24 @@ class OursVarlen:
     def __init__(self, row, lib=LIBS[0]):
         self.lib = lib
         if not hasattr(lib, "bsattn_bench_plan_varlen"):
-            raise RuntimeError("this libbsattn_bench.so has no varlen entry points (rebuild: bench_shim_varlen.cpp)")
+            raise RuntimeError("this libbsattn_bench.so has no varlen entry points (rebuild it)")
         self.h = lib.bsattn_bench_plan_varlen(len(row.docs), max(row.docs), row.tokens(), row.hq, row.hkv, row.D, 0,
                                               row.bq, row.bk, 1, -1)
         if not self.h:
-            raise RuntimeError(lib.bsattn_bench_varlen_error().decode())
+            raise RuntimeError(lib.bsattn_bench_error().decode())
 
     def __call__(self, x, out):
         if self.lib.bsattn_bench_run_varlen(self.h, ptr(x.q), ptr(x.k), ptr(x.v), ptr(x.cu), ptr(out), ptr(x.lse),
                                             stream()) != 0:
-            raise RuntimeError(self.lib.bsattn_bench_varlen_error().decode())
+            raise RuntimeError(self.lib.bsattn_bench_error().decode())
 
     def check(self):
-        if self.lib.bsattn_bench_check_varlen(self.h, stream()) != 0:
-            raise RuntimeError(self.lib.bsattn_bench_varlen_error().decode())
+        if self.lib.bsattn_bench_check(self.h, stream()) != 0:
+            raise RuntimeError(self.lib.bsattn_bench_error().decode())
 
     def __del__(self):
         if getattr(self, "h", None):
-            self.lib.bsattn_bench_free_varlen(self.h)
+            self.lib.bsattn_bench_free(self.h)
 
 
 def ours_for(row, lib=LIBS[0]):
