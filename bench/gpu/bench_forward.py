@@ -140,8 +140,9 @@ class Ours:
             self.lib.bsattn_bench_free(self.h)
 
 
-class OursVarlen:
-    """bsattn on packed sequences (kind docs): all blocks, causal within each sequence."""
+class OursVarlen(Ours):
+    """bsattn on packed sequences (kind docs): all blocks, causal within each sequence (the shim's
+    varlen entry points; check and free are Ours')."""
 
     def __init__(self, row, lib=LIBS[0]):
         self.lib = lib
@@ -156,14 +157,6 @@ class OursVarlen:
         if self.lib.bsattn_bench_run_varlen(self.h, ptr(x.q), ptr(x.k), ptr(x.v), ptr(x.cu), ptr(out), ptr(x.lse),
                                             stream()) != 0:
             raise RuntimeError(self.lib.bsattn_bench_error().decode())
-
-    def check(self):
-        if self.lib.bsattn_bench_check(self.h, stream()) != 0:
-            raise RuntimeError(self.lib.bsattn_bench_error().decode())
-
-    def __del__(self):
-        if getattr(self, "h", None):
-            self.lib.bsattn_bench_free(self.h)
 
 
 def ours_for(row, lib=LIBS[0]):
