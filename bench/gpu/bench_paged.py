@@ -9,11 +9,13 @@ CUDA-event timings after warm-up. bf16, Hq 32 / Hkv 8, D 128.
   python3 bench/gpu/bench_paged.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--out paged.md]
 """
 import argparse
-import ctypes
 import os
-import statistics
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import load, ok, page, Plan, ptr, stream, timed  # noqa: E402
 
 P = argparse.ArgumentParser()
 P.add_argument("--lib", required=True)
@@ -21,49 +23,8 @@ P.add_argument("--iters", type=int, default=20)
 P.add_argument("--out", default="")
 ARGS = P.parse_args()
 
-LIB = ctypes.CDLL(os.path.abspath(ARGS.lib))
-LIB.bsattn_bench_plan_kv.restype = ctypes.c_void_p
-LIB.bsattn_bench_plan_kv.argtypes = [ctypes.c_int] * 10
-LIB.bsattn_bench_run_kv.restype = ctypes.c_int
-LIB.bsattn_bench_run_kv.argtypes = [ctypes.c_void_p] * 8
-LIB.bsattn_bench_free.argtypes = [ctypes.c_void_p]
-LIB.bsattn_bench_error.restype = ctypes.c_char_p
+LIB = load(ARGS.lib, need=("bsattn_bench_plan_kv", "bsattn_bench_run_kv"))
 HQ, HKV, D = 32, 8, 128
-
-
-def ptr(t):
-    return ctypes.c_void_p(t.data_ptr()) if t is not None else None
-
-
-def timed(fn, iters):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def page(k, v, page_size, gen):
-    """(k_cache, v_cache, block_table, seq_lens): k, v [B, S, Hkv, D] scattered over shuffled pages."""
-    B, S = k.shape[:2]
-    per_seq = (S + page_size - 1) // page_size
-    num_pages = B * per_seq + 7
-    order = torch.randperm(num_pages, generator=gen)[: B * per_seq].view(B, per_seq).to(torch.int32)
-    caches = []
-    for t in (k, v):
-        cache = torch.full((num_pages, page_size, HKV, D), float("nan"), dtype=t.dtype, device=t.device)
-        padded = torch.zeros((B, per_seq * page_size, HKV, D), dtype=t.dtype, device=t.device)
-        padded[:, :S] = t
-        cache[order.flatten().long().cuda()] = padded.view(B * per_seq, page_size, HKV, D)
-        caches.append(cache)
-    seq_lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
-    return caches[0], caches[1], order.cuda(), seq_lens, per_seq, num_pages
 
 
 def run(batch, sq, skv, page_size, q, k, v, out, gen):
@@ -72,20 +33,16 @@ def run(batch, sq, skv, page_size, q, k, v, out, gen):
         kc, vc, table, lens, per_seq, num_pages = page(k, v, page_size, gen)
     else:
         kc, vc, table, lens, per_seq, num_pages = k, v, None, None, 0, 0
-    h = LIB.bsattn_bench_plan_kv(batch, sq, skv, HQ, HKV, D, 1, page_size, per_seq, num_pages)
-    if not h:
-        raise RuntimeError(LIB.bsattn_bench_error().decode())
-    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    plan = Plan(LIB, LIB.bsattn_bench_plan_kv(batch, sq, skv, HQ, HKV, D, 1, page_size, per_seq, num_pages))
+    s = stream()
 
     def call():
-        if LIB.bsattn_bench_run_kv(h, ptr(q), ptr(kc), ptr(vc), ptr(table), ptr(lens), ptr(out), stream) != 0:
-            raise RuntimeError(LIB.bsattn_bench_error().decode())
+        ok(LIB, LIB.bsattn_bench_run_kv(plan.h, ptr(q), ptr(kc), ptr(vc), ptr(table), ptr(lens), ptr(out), s))
 
     call()
     torch.cuda.synchronize()
     result = out.clone()
     ms = timed(call, ARGS.iters)
-    LIB.bsattn_bench_free(h)
     return ms, result
 
 

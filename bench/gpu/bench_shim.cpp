@@ -1,9 +1,12 @@
 // A tiny C interface over bsattn's GPU Plan for the Python benchmark driver (ctypes): the driver
 // owns every tensor (torch), so bsattn and its peers read the very same inputs.
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "bsattn/bsattn.hpp"
 
@@ -25,6 +28,51 @@ struct BenchPlan {
   void* k_summary = nullptr;  // proxy plans (bsattn_bench_set_proxy): [B, ceil(S/bk), Hkv, D]
   void* v_summary = nullptr;
 };
+
+}  // extern "C"
+
+namespace {
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// Q and K/V of a batched plan: q [B, Sq, Hq, D]; k/v contiguous [B, Skv, Hkv, D], or the page
+// caches [num_pages, page_size, Hkv, D] with block_table [B, pages_per_seq] and seq_lens_kv [B]
+// (int32) when the plan is paged.
+bsattn::Inputs qkv_inputs(const bsattn::Problem& p, void* q, void* k, void* v, void* block_table,
+                          void* seq_lens_kv) {
+  const std::int64_t B = p.batch, D = p.head_dim;
+  bsattn::Inputs in;
+  in.q = view(q, p.dtype, {B, p.max_seqlen_q, p.heads_q, D});
+  if (p.kv_layout == bsattn::KVLayout::paged) {
+    in.k = view(k, p.dtype, {p.num_pages, p.page_size, p.heads_kv, D});
+    in.v = view(v, p.dtype, {p.num_pages, p.page_size, p.heads_kv, D});
+    in.block_table = view(block_table, bsattn::DType::i32, {B, p.pages_per_seq});
+    in.seq_lens_kv = view(seq_lens_kv, bsattn::DType::i32, {B});
+  } else {
+    in.k = view(k, p.dtype, {B, p.max_seqlen_kv, p.heads_kv, D});
+    in.v = view(v, p.dtype, {B, p.max_seqlen_kv, p.heads_kv, D});
+  }
+  return in;
+}
+
+// The partial set of a block_lists plan: cnt [Bs, Hs, nQB] and idx [Bs, Hs, nQB, nKB] int32
+// (nQB = ceil(Sq / Bq), nKB = ceil(Skv / Bk)); nothing for all_blocks plans.
+void bind_block_lists(const bsattn::Problem& p, bsattn::Inputs& in, void* cnt, void* idx) {
+  if (p.format != bsattn::Format::block_lists) return;
+  const std::int64_t nqb = ceil_div(p.max_seqlen_q, p.block.q), nkb = ceil_div(p.max_seqlen_kv, p.block.kv);
+  in.partial.counts = view(cnt, bsattn::DType::i32, {p.sparsity_batch, p.sparsity_heads, nqb});
+  in.partial.indices = view(idx, bsattn::DType::i32, {p.sparsity_batch, p.sparsity_heads, nqb, nkb});
+}
+
+// O [B, Sq, Hq, D] (out_dtype) and, when lse is not null, LSE [B, Hq, Sq] f32 of a batched plan.
+bsattn::Outputs batched_outputs(const bsattn::Problem& p, void* out, void* lse) {
+  bsattn::Outputs o;
+  o.out = view(out, p.out_dtype, {p.batch, p.max_seqlen_q, p.heads_q, p.head_dim});
+  if (lse) o.lse = view(lse, bsattn::DType::f32, {p.batch, p.heads_q, p.max_seqlen_q});
+  return o;
+}
+}  // namespace
+
+extern "C" {
 
 // format: 0 all_blocks (dense + mask), 1 block lists (partial set [1, Hs, nQB, nKB]).
 // window_left < 0: none. Returns null on error (bsattn_bench_error says why).
@@ -64,24 +112,14 @@ int bsattn_bench_run(void* handle, void* q, void* k, void* v, void* out, void* l
   try {
     auto* b = static_cast<BenchPlan*>(handle);
     const bsattn::Problem& p = b->problem;
-    const std::int64_t B = p.batch, S = p.max_seqlen_q, D = p.head_dim;
-    const std::int64_t nqb = (S + p.block.q - 1) / p.block.q, nkb = (S + p.block.kv - 1) / p.block.kv;
-    bsattn::Inputs in;
-    in.q = view(q, p.dtype, {B, S, p.heads_q, D});
-    in.k = view(k, p.dtype, {B, S, p.heads_kv, D});
-    in.v = view(v, p.dtype, {B, S, p.heads_kv, D});
-    if (p.format == bsattn::Format::block_lists) {
-      in.partial.counts = view(cnt, bsattn::DType::i32, {1, p.sparsity_heads, nqb});
-      in.partial.indices = view(idx, bsattn::DType::i32, {1, p.sparsity_heads, nqb, nkb});
-    }
+    bsattn::Inputs in = qkv_inputs(p, q, k, v, nullptr, nullptr);
+    bind_block_lists(p, in, cnt, idx);
     if (p.proxy != bsattn::Proxy::off) {
-      in.k_summary = view(b->k_summary, p.dtype, {B, nkb, p.heads_kv, D});
-      in.v_summary = view(b->v_summary, p.dtype, {B, nkb, p.heads_kv, D});
+      const std::int64_t nkb = ceil_div(p.max_seqlen_kv, p.block.kv);
+      in.k_summary = view(b->k_summary, p.dtype, {p.batch, nkb, p.heads_kv, p.head_dim});
+      in.v_summary = view(b->v_summary, p.dtype, {p.batch, nkb, p.heads_kv, p.head_dim});
     }
-    bsattn::Outputs o;
-    o.out = view(out, p.out_dtype, {B, S, p.heads_q, D});
-    if (lse) o.lse = view(lse, bsattn::DType::f32, {B, p.heads_q, S});
-    b->plan.run(in, o, stream);
+    b->plan.run(in, batched_outputs(p, out, lse), stream);
     return 0;
   } catch (const std::exception& e) {
     g_error = e.what();
@@ -187,12 +225,16 @@ int bsattn_bench_merge_states(int parts, int batch, int seqlen, int heads, int h
   }
 }
 
-// Dense attention (every block, built-in causal mask aligned bottom-right when `causal`) of
-// q [B, Sq, Hq, D] against K/V of Skv tokens per sequence: contiguous [B, Skv, Hkv, D], or, when
-// page_size > 0, a page cache [num_pages, page_size, Hkv, D] with block_table [B, pages_per_seq]
-// and seq_lens_kv [B] (chunked prefill against a paged cache). Returns null on error.
-void* bsattn_bench_plan_kv(int batch, int seqlen_q, int seqlen_kv, int hq, int hkv, int head_dim, int causal,
-                           int page_size, int pages_per_seq, int num_pages) {
+// Attention of q [B, Sq, Hq, D] against K/V of Skv tokens per sequence (decode, chunked prefill):
+// contiguous [B, Skv, Hkv, D], or, when page_size > 0, a page cache [num_pages, page_size, Hkv, D]
+// with block_table [B, pages_per_seq] and seq_lens_kv [B]; the built-in causal mask aligned
+// bottom-right when `causal`. format 0: every KV block (all_blocks); 1: block lists of KV blocks
+// of bk tokens (Q blocks of 128), cnt [Bs, Hs, nQB] / idx [Bs, Hs, nQB, ceil(Skv / bk)] with
+// Bs = sparsity_batch (1 or B) and Hs = sparsity_heads (1, Hkv or Hq): e.g. one pattern per
+// (sequence, KV head) with Bs = B, Hs = Hkv. bf16. Returns null on error (bsattn_bench_error).
+void* bsattn_bench_plan_kv_lists(int batch, int seqlen_q, int seqlen_kv, int hq, int hkv, int head_dim, int causal,
+                                 int page_size, int pages_per_seq, int num_pages, int format, int bk,
+                                 int sparsity_batch, int sparsity_heads) {
   try {
     auto* b = new BenchPlan;
     bsattn::Problem& p = b->problem;
@@ -203,8 +245,10 @@ void* bsattn_bench_plan_kv(int batch, int seqlen_q, int seqlen_kv, int hq, int h
     p.max_seqlen_q = seqlen_q;
     p.max_seqlen_kv = seqlen_kv;
     p.dtype = p.out_dtype = bsattn::DType::bf16;
-    p.block = {128, 128};
-    p.format = bsattn::Format::all_blocks;
+    p.block = {128, format == 0 ? 128 : bk};
+    p.format = format == 0 ? bsattn::Format::all_blocks : bsattn::Format::block_lists;
+    p.sparsity_batch = format == 0 ? 1 : sparsity_batch;
+    p.sparsity_heads = format == 0 ? 1 : sparsity_heads;
     p.mask.causal = causal != 0;
     if (page_size > 0) {
       p.kv_layout = bsattn::KVLayout::paged;
@@ -214,7 +258,12 @@ void* bsattn_bench_plan_kv(int batch, int seqlen_q, int seqlen_kv, int hq, int h
     }
     p.device = bsattn::Device::cuda;
     p.validate = false;
-    b->plan.plan(p);
+    try {
+      b->plan.plan(p);
+    } catch (...) {
+      delete b;
+      throw;
+    }
     return b;
   } catch (const std::exception& e) {
     g_error = e.what();
@@ -222,32 +271,34 @@ void* bsattn_bench_plan_kv(int batch, int seqlen_q, int seqlen_kv, int hq, int h
   }
 }
 
-// The run of a bsattn_bench_plan_kv plan (block_table and seq_lens_kv null when contiguous).
-int bsattn_bench_run_kv(void* handle, void* q, void* k, void* v, void* block_table, void* seq_lens_kv, void* out,
-                        void* stream) {
+// The run of a bsattn_bench_plan_kv_lists plan: block_table and seq_lens_kv null when contiguous,
+// cnt and idx null for format 0, lse [B, Hq, Sq] f32 or null. Returns 0, or -1.
+int bsattn_bench_run_kv_lists(void* handle, void* q, void* k, void* v, void* block_table, void* seq_lens_kv,
+                              void* cnt, void* idx, void* out, void* lse, void* stream) {
   try {
     auto* b = static_cast<BenchPlan*>(handle);
-    const bsattn::Problem& p = b->problem;
-    const std::int64_t B = p.batch, D = p.head_dim;
-    bsattn::Inputs in;
-    in.q = view(q, p.dtype, {B, p.max_seqlen_q, p.heads_q, D});
-    if (p.kv_layout == bsattn::KVLayout::paged) {
-      in.k = view(k, p.dtype, {p.num_pages, p.page_size, p.heads_kv, D});
-      in.v = view(v, p.dtype, {p.num_pages, p.page_size, p.heads_kv, D});
-      in.block_table = view(block_table, bsattn::DType::i32, {B, p.pages_per_seq});
-      in.seq_lens_kv = view(seq_lens_kv, bsattn::DType::i32, {B});
-    } else {
-      in.k = view(k, p.dtype, {B, p.max_seqlen_kv, p.heads_kv, D});
-      in.v = view(v, p.dtype, {B, p.max_seqlen_kv, p.heads_kv, D});
-    }
-    bsattn::Outputs o;
-    o.out = view(out, p.out_dtype, {B, p.max_seqlen_q, p.heads_q, D});
-    b->plan.run(in, o, stream);
+    bsattn::Inputs in = qkv_inputs(b->problem, q, k, v, block_table, seq_lens_kv);
+    bind_block_lists(b->problem, in, cnt, idx);
+    b->plan.run(in, batched_outputs(b->problem, out, lse), stream);
     return 0;
   } catch (const std::exception& e) {
     g_error = e.what();
     return -1;
   }
+}
+
+// Dense attention (every block, built-in causal mask aligned bottom-right when `causal`): the
+// format-0 case of bsattn_bench_plan_kv_lists (chunked prefill against a paged cache, decode).
+void* bsattn_bench_plan_kv(int batch, int seqlen_q, int seqlen_kv, int hq, int hkv, int head_dim, int causal,
+                           int page_size, int pages_per_seq, int num_pages) {
+  return bsattn_bench_plan_kv_lists(batch, seqlen_q, seqlen_kv, hq, hkv, head_dim, causal, page_size, pages_per_seq,
+                                    num_pages, 0, 128, 1, 1);
+}
+
+// The run of a bsattn_bench_plan_kv plan (block_table and seq_lens_kv null when contiguous).
+int bsattn_bench_run_kv(void* handle, void* q, void* k, void* v, void* block_table, void* seq_lens_kv, void* out,
+                        void* stream) {
+  return bsattn_bench_run_kv_lists(handle, q, k, v, block_table, seq_lens_kv, nullptr, nullptr, out, nullptr, stream);
 }
 
 // Re-plans a bsattn_bench_plan / bsattn_bench_plan_kv plan with problem.validate set to `validate`
@@ -281,29 +332,81 @@ int bsattn_bench_set_proxy(void* handle, int eligible, void* k_summary, void* v_
   }
 }
 
-// Host time of Plan::run for a contiguous bsattn_bench_plan_kv plan: `iters` runs timed on the
-// host clock with no synchronisation between them (the caller's view: what one run() costs the
-// thread that issues it), then one Plan::check (a stream sync) after the clock stops. Writes
-// microseconds per run to *host_us; returns 0, or -1 (bsattn_bench_error says why).
-int bsattn_bench_host_time(void* handle, void* q, void* k, void* v, void* out, void* stream, int iters,
+// Host time of Plan::run for a bsattn_bench_plan_kv plan (contiguous K/V): what one run() costs
+// the thread that issues it. Runs are timed in `bursts` bursts of `burst` back-to-back calls on
+// the host clock, the stream synchronised (Plan::check) before each burst, outside the clock: a
+// burst must be short enough (e.g. 32 runs, a few hundred launches) that the launch queue never
+// fills, else the host waits for the GPU and the clock measures GPU time, not the host's cost.
+// Writes the median over bursts of the per-call time (microseconds) to host_us[0] and the
+// smallest to host_us[1]; returns 0, or -1 (bsattn_bench_error says why).
+int bsattn_bench_host_time(void* handle, void* q, void* k, void* v, void* out, void* stream, int bursts, int burst,
                            double* host_us) {
   try {
     auto* b = static_cast<BenchPlan*>(handle);
-    const bsattn::Problem& p = b->problem;
-    const std::int64_t B = p.batch, D = p.head_dim;
-    bsattn::Inputs in;
-    in.q = view(q, p.dtype, {B, p.max_seqlen_q, p.heads_q, D});
-    in.k = view(k, p.dtype, {B, p.max_seqlen_kv, p.heads_kv, D});
-    in.v = view(v, p.dtype, {B, p.max_seqlen_kv, p.heads_kv, D});
-    bsattn::Outputs o;
-    o.out = view(out, p.out_dtype, {B, p.max_seqlen_q, p.heads_q, D});
+    if (bursts < 1 || burst < 1) throw std::invalid_argument("bursts and burst must be >= 1");
+    const bsattn::Inputs in = qkv_inputs(b->problem, q, k, v, nullptr, nullptr);
+    const bsattn::Outputs o = batched_outputs(b->problem, out, nullptr);
     b->plan.run(in, o, stream);  // warm: first-run work (driver entry points, tensor maps) off the clock
     b->plan.check(stream);
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < iters; ++i) b->plan.run(in, o, stream);
-    const auto stop = std::chrono::steady_clock::now();
+    std::vector<double> per_call(static_cast<std::size_t>(bursts));
+    for (double& t : per_call) {
+      b->plan.check(stream);  // an empty queue at the start of every burst
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < burst; ++i) b->plan.run(in, o, stream);
+      const auto stop = std::chrono::steady_clock::now();
+      t = std::chrono::duration<double, std::micro>(stop - start).count() / burst;
+    }
     b->plan.check(stream);
-    *host_us = std::chrono::duration<double, std::micro>(stop - start).count() / iters;
+    std::sort(per_call.begin(), per_call.end());
+    host_us[0] = per_call[per_call.size() / 2];
+    host_us[1] = per_call.front();
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
+// Re-plans a bsattn_bench_plan plan for the backward too (problem.backward = true, which sizes the
+// backward's workspace), bit-identical repeated runs when `deterministic`. Its forward runs as
+// before. Returns 0, or -1 (bsattn_bench_error says why, e.g. no GPU backward for this problem).
+int bsattn_bench_set_backward(void* handle, int deterministic) {
+  try {
+    auto* b = static_cast<BenchPlan*>(handle);
+    bsattn::Problem p = b->problem;
+    p.backward = true;
+    p.deterministic = deterministic != 0;
+    b->plan.plan(p);
+    b->problem = p;
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
+// Plan::run_backward of a bsattn_bench_plan plan made for the backward (bsattn_bench_set_backward):
+// q [B, S, Hq, D], k/v [B, S, Hkv, D], cnt/idx as bsattn_bench_run (format 1; null otherwise), the
+// forward's out [B, S, Hq, D] and lse [B, Hq, S] f32, dout like out; writes dq (q's shape) and
+// dk/dv (k's shape) in the input dtype, launched on `stream`. Returns 0, or -1.
+int bsattn_bench_run_backward(void* handle, void* q, void* k, void* v, void* cnt, void* idx, void* out, void* lse,
+                              void* dout, void* dq, void* dk, void* dv, void* stream) {
+  try {
+    auto* b = static_cast<BenchPlan*>(handle);
+    const bsattn::Problem& p = b->problem;
+    bsattn::Inputs in = qkv_inputs(p, q, k, v, nullptr, nullptr);
+    bind_block_lists(p, in, cnt, idx);
+    const bsattn::Outputs o = batched_outputs(p, out, lse);
+    bsattn::BackwardInputs bi;
+    bi.out = o.out;
+    bi.lse = o.lse;
+    bi.dout = view(dout, p.out_dtype, {p.batch, p.max_seqlen_q, p.heads_q, p.head_dim});
+    const bsattn::Inputs grads = qkv_inputs(p, dq, dk, dv, nullptr, nullptr);
+    bsattn::Gradients g;
+    g.dq = grads.q;
+    g.dk = grads.k;
+    g.dv = grads.v;
+    b->plan.run_backward(in, bi, g, stream);
     return 0;
   } catch (const std::exception& e) {
     g_error = e.what();

@@ -1,0 +1,183 @@
+"""What the GPU bench drivers share: loading libbsattn_bench.so (bench_shim.cpp) with the ctypes
+signatures of its entry points, pointer / stream / error helpers, CUDA-event timing, a paged copy
+of K/V, and the header line of a result table.
+
+    import benchlib
+    LIB = benchlib.load(path)              # every entry point the build has, argtypes set
+    benchlib.ok(LIB, LIB.bsattn_bench_run(h, benchlib.ptr(q), ...))
+    ms = benchlib.timed(call, iters)       # median CUDA-event ms of `call` after warm-up
+
+Imports torch only (no GPU work at import time), so drivers that run without a GPU can still
+import it.
+"""
+import ctypes
+import os
+import statistics
+import time
+
+import torch
+
+_P, _I, _I64, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
+
+# name -> (restype, argtypes) of the shim's entry points (bench_shim.cpp says what each takes).
+SIGNATURES = {
+    "bsattn_bench_error": (ctypes.c_char_p, []),
+    "bsattn_bench_plan": (_P, [_I] * 12),
+    "bsattn_bench_run": (_I, [_P] * 9),
+    "bsattn_bench_check": (_I, [_P, _P]),
+    "bsattn_bench_free": (None, [_P]),
+    "bsattn_bench_summaries": (_I, [_I] * 6 + [_P] * 5),
+    "bsattn_bench_select": (_I, [_I] * 9 + [_D, _I, _I] + [_P] * 4),
+    "bsattn_bench_merge_states": (_I, [_I] * 6 + [_P] * 5),
+    "bsattn_bench_plan_kv": (_P, [_I] * 10),
+    "bsattn_bench_run_kv": (_I, [_P] * 8),
+    "bsattn_bench_plan_kv_lists": (_P, [_I] * 14),
+    "bsattn_bench_run_kv_lists": (_I, [_P] * 11),
+    "bsattn_bench_set_validate": (_I, [_P, _I]),
+    "bsattn_bench_set_proxy": (_I, [_P, _I, _P, _P]),
+    "bsattn_bench_host_time": (_I, [_P] * 6 + [_I, _I, ctypes.POINTER(_D)]),
+    "bsattn_bench_set_backward": (_I, [_P, _I]),
+    "bsattn_bench_run_backward": (_I, [_P] * 13),
+    "bsattn_bench_plan_varlen": (_P, [_I, _I, _I64] + [_I] * 8),
+    "bsattn_bench_run_varlen": (_I, [_P] * 8),
+}
+
+
+def load(path, need=()):
+    """ctypes.CDLL of libbsattn_bench.so with the signature of every entry point it has (an older
+    build may lack some); raises if one named in `need` is missing (rebuild the library)."""
+    lib = ctypes.CDLL(os.path.abspath(path))
+    for name, (res, args) in SIGNATURES.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.restype = res
+            fn.argtypes = args
+    missing = [n for n in need if not hasattr(lib, n)]
+    if missing:
+        raise RuntimeError(f"{path} lacks {', '.join(missing)}: rebuild the bench target (bench/gpu/bench_shim.cpp)")
+    return lib
+
+
+def ptr(t):
+    """A tensor's data pointer for the shim (None for None)."""
+    return ctypes.c_void_p(t.data_ptr()) if t is not None else None
+
+
+def stream():
+    """The current torch stream as the shim's `stream` argument."""
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def ok(lib, rc):
+    """Raises RuntimeError with the shim's message when an entry point returned non-zero."""
+    if rc != 0:
+        raise RuntimeError(lib.bsattn_bench_error().decode())
+
+
+def handle(lib, h):
+    """Raises RuntimeError with the shim's message when a plan entry point returned null."""
+    if not h:
+        raise RuntimeError(lib.bsattn_bench_error().decode())
+    return h
+
+
+class Plan:
+    """A shim plan handle that frees itself (bsattn_bench_free) when dropped."""
+
+    def __init__(self, lib, h):
+        self.lib, self.h = lib, handle(lib, h)
+
+    def check(self):
+        ok(self.lib, self.lib.bsattn_bench_check(self.h, stream()))
+
+    def __del__(self):
+        if getattr(self, "h", None):
+            self.lib.bsattn_bench_free(self.h)
+            self.h = None
+
+
+_SLEEP = {}
+
+
+def _cycles_per_us():
+    """GPU clock cycles per microsecond, measured once with torch.cuda._sleep (None if absent)."""
+    if "c" not in _SLEEP:
+        c = None
+        if hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(1000)  # load the kernel
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(2_000_000)
+            b.record()
+            b.synchronize()
+            c = 2_000_000 / max(a.elapsed_time(b) * 1e3, 1.0)
+        _SLEEP["c"] = c
+    return _SLEEP["c"]
+
+
+def timed(fns, iters, warmup=3, queue_us=0.0):
+    """Median ms of `fns` (a callable, or a list of callables taken in turn, e.g. one per rotated
+    copy of the inputs) over `iters` CUDA-event timings after `warmup` calls, a sync after each.
+
+    queue_us > 0: before each timed call the stream sleeps that long on the GPU
+    (torch.cuda._sleep), so the call's launches are all queued before its start event fires and
+    the events bracket GPU execution only (kernels and the gaps between them on the device), not
+    the host's launch cost: the GPU time of calls of a few microseconds. Choose it longer than
+    the host needs to issue one call (Python peers: ~100 us)."""
+    fns = fns if isinstance(fns, (list, tuple)) else [fns]
+    for i in range(warmup):
+        fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    cycles = int(queue_us * _cycles_per_us()) if queue_us > 0 and _cycles_per_us() else 0
+    times = []
+    for i in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if cycles:
+            torch.cuda._sleep(cycles)
+        a.record()
+        fns[i % len(fns)]()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def rel_err(a, b):
+    """Relative L2 error of a against b (float32)."""
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def page(k, v, page_size, gen, seq_lens=None):
+    """k, v [B, S, Hkv, D] scattered over the shuffled pages of caches [num_pages, page_size, Hkv,
+    D] (7 spare pages). Pages no sequence uses hold NaN, which no correct kernel reads; the tail
+    of a sequence's last page past S holds zeros (a kernel may load it whole and mask it).
+    Returns (k_cache, v_cache, block_table [B, pages_per_seq] int32, seq_lens [B] int32,
+    pages_per_seq, num_pages); seq_lens defaults to S for every sequence."""
+    B, S, hkv, D = k.shape
+    per_seq = (S + page_size - 1) // page_size
+    num_pages = B * per_seq + 7
+    order = torch.randperm(num_pages, generator=gen)[: B * per_seq].view(B, per_seq).to(torch.int32)
+    caches = []
+    for t in (k, v):
+        cache = torch.full((num_pages, page_size, hkv, D), float("nan"), dtype=t.dtype, device=t.device)
+        padded = torch.zeros((B, per_seq * page_size, hkv, D), dtype=t.dtype, device=t.device)
+        padded[:, :S] = t
+        cache[order.flatten().long().to(t.device)] = padded.view(B * per_seq, page_size, hkv, D)
+        del padded
+        caches.append(cache)
+    lens = torch.full((B,), S, dtype=torch.int32, device=k.device) if seq_lens is None else seq_lens
+    return caches[0], caches[1], order.to(k.device), lens, per_seq, num_pages
+
+
+def header(extra=""):
+    """One line naming the GPU, torch and the UTC time (the first line of a result file)."""
+    return (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}" + (f"; {extra}" if extra else ""))
+
+
+def write(path, lines):
+    """Writes the lines of a result table to `path` (nothing when path is empty)."""
+    if path:
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
