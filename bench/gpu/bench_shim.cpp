@@ -478,3 +478,156 @@ int bsattn_bench_run_varlen(void* handle, void* q, void* k, void* v, void* cu_se
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------- proxy diagnostics (issue 11.3)
+// Entry points of bench_proxy.py that split the cost of proxy compensation: runs with an explicit
+// proxy set (an empty one runs the proxy kernel on the exact work alone), and route preparation
+// timed on its own (the kernels Plan::run launches before attention, on bound tensors).
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <vector>
+
+#include "../../src/formats/bind.hpp"
+#include "../../src/gpu/prepare_routes.hpp"
+
+namespace {
+// The tensors of a bsattn_bench_plan plan's run (bsattn_bench_run's), with the proxy set
+// pcnt [1, Hs, nQB] / pidx [1, Hs, nQB, nKB] when the plan takes an explicit one.
+bsattn::Inputs proxy_diag_inputs(const BenchPlan& b, void* q, void* k, void* v, void* cnt, void* idx, void* pcnt,
+                                 void* pidx) {
+  const bsattn::Problem& p = b.problem;
+  const std::int64_t B = p.batch, S = p.max_seqlen_q, D = p.head_dim;
+  const std::int64_t nqb = (S + p.block.q - 1) / p.block.q, nkb = (S + p.block.kv - 1) / p.block.kv;
+  bsattn::Inputs in;
+  in.q = view(q, p.dtype, {B, S, p.heads_q, D});
+  in.k = view(k, p.dtype, {B, S, p.heads_kv, D});
+  in.v = view(v, p.dtype, {B, S, p.heads_kv, D});
+  if (p.format == bsattn::Format::block_lists) {
+    in.partial.counts = view(cnt, bsattn::DType::i32, {1, p.sparsity_heads, nqb});
+    in.partial.indices = view(idx, bsattn::DType::i32, {1, p.sparsity_heads, nqb, nkb});
+    if (p.proxy == bsattn::Proxy::explicit_set) {
+      in.proxy.counts = view(pcnt, bsattn::DType::i32, {1, p.sparsity_heads, nqb});
+      in.proxy.indices = view(pidx, bsattn::DType::i32, {1, p.sparsity_heads, nqb, nkb});
+    }
+  }
+  if (p.proxy != bsattn::Proxy::off) {
+    in.k_summary = view(b.k_summary, p.dtype, {B, nkb, p.heads_kv, D});
+    in.v_summary = view(b.v_summary, p.dtype, {B, nkb, p.heads_kv, D});
+  }
+  return in;
+}
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Device memory and events of one timing, released however it ends.
+struct TimingResources {
+  void* memory = nullptr;
+  cudaEvent_t events[3] = {nullptr, nullptr, nullptr};
+  ~TimingResources() {
+    for (cudaEvent_t e : events)
+      if (e) cudaEventDestroy(e);
+    if (memory) cudaFree(memory);
+  }
+};
+}  // namespace
+
+extern "C" {
+
+// Re-plans a bsattn_bench_plan plan (block lists) with an explicit proxy set (Proxy::explicit_set);
+// its runs go through bsattn_bench_run_proxy_set. Returns 0, or -1 (bsattn_bench_error says why).
+int bsattn_bench_set_proxy_set(void* handle, void* k_summary, void* v_summary) {
+  try {
+    auto* b = static_cast<BenchPlan*>(handle);
+    b->problem.proxy = bsattn::Proxy::explicit_set;
+    b->k_summary = k_summary;
+    b->v_summary = v_summary;
+    b->plan.plan(b->problem);
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
+// bsattn_bench_run with the proxy set pcnt [1, Hs, nQB] / pidx [1, Hs, nQB, nKB] int32 (read only
+// by a bsattn_bench_set_proxy_set plan). Returns 0, or -1 (bsattn_bench_error says why).
+int bsattn_bench_run_proxy_set(void* handle, void* q, void* k, void* v, void* out, void* cnt, void* idx, void* pcnt,
+                               void* pidx, void* stream) {
+  try {
+    auto* b = static_cast<BenchPlan*>(handle);
+    const bsattn::Problem& p = b->problem;
+    bsattn::Outputs o;
+    o.out = view(out, p.out_dtype, {p.batch, p.max_seqlen_q, p.heads_q, p.head_dim});
+    b->plan.run(proxy_diag_inputs(*b, q, k, v, cnt, idx, pcnt, pidx), o, stream);
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
+// Route preparation of a bsattn_bench_plan plan on its own: `iters` runs of the preparation
+// kernel, then `iters` of the longest-first ordering, each timed by CUDA events on `stream` into
+// a workspace of the plan's capacity (allocated here, outside the timing). Writes milliseconds
+// per run to *prepare_ms and *order_ms, the route records of the last run (the rows' sum) to
+// *records. Returns 0, or -1 (bsattn_bench_error says why, an overflow included).
+int bsattn_bench_prepare_time(void* handle, void* q, void* k, void* v, void* out, void* cnt, void* idx, void* pcnt,
+                              void* pidx, void* stream, int iters, double* prepare_ms, double* order_ms,
+                              long long* records) {
+  try {
+    auto* b = static_cast<BenchPlan*>(handle);
+    const bsattn::Problem& p = b->problem;
+    const auto s = static_cast<cudaStream_t>(stream);
+    bsattn::Outputs o;
+    o.out = view(out, p.out_dtype, {p.batch, p.max_seqlen_q, p.heads_q, p.head_dim});
+    bsattn::AttentionParams a = bsattn::formats::bind(p, b->plan.tiles(), b->plan.route_capacity(),
+                                                      proxy_diag_inputs(*b, q, k, v, cnt, idx, pcnt, pidx), o);
+    const std::int64_t rows = a.route_rows, capacity = a.route.capacity;
+    TimingResources r;
+    // overflow [2], counts, proxy counts and order [rows] each, then the records (8-byte aligned)
+    const std::size_t ints = 2 + 3 * static_cast<std::size_t>(rows) + 1;
+    cuda_ok(cudaMalloc(&r.memory, ints * sizeof(std::int32_t) + rows * capacity * sizeof(bsattn::route::Route)),
+            "cudaMalloc");
+    auto* overflow = static_cast<std::int32_t*>(r.memory);
+    std::int32_t* counts = overflow + 2;
+    std::int32_t* proxy_counts = counts + rows;
+    std::int32_t* order = proxy_counts + rows;
+    auto* routes = reinterpret_cast<bsattn::route::Route*>(overflow + (ints & ~std::size_t(1)));
+    for (cudaEvent_t& e : r.events) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
+    cuda_ok(cudaMemsetAsync(overflow, 0, 2 * sizeof(std::int32_t), s), "cudaMemsetAsync");
+    const bool proxy = a.route.proxy_mode != 0;
+    const auto prepare = [&]() {
+      cuda_ok(bsattn::gpu::prepare_routes(a, routes, counts, overflow, s, proxy ? proxy_counts : nullptr),
+              "prepare_routes");
+    };
+    prepare();  // warm-up
+    cuda_ok(cudaEventRecord(r.events[0], s), "cudaEventRecord");
+    for (int i = 0; i < iters; ++i) prepare();
+    cuda_ok(cudaEventRecord(r.events[1], s), "cudaEventRecord");
+    for (int i = 0; i < iters; ++i)
+      cuda_ok(bsattn::gpu::order_rows_longest_first(counts, static_cast<int>(rows), order, s), "order_rows");
+    cuda_ok(cudaEventRecord(r.events[2], s), "cudaEventRecord");
+    cuda_ok(cudaEventSynchronize(r.events[2]), "cudaEventSynchronize");
+    float t_prepare = 0.0f, t_order = 0.0f;
+    cuda_ok(cudaEventElapsedTime(&t_prepare, r.events[0], r.events[1]), "cudaEventElapsedTime");
+    cuda_ok(cudaEventElapsedTime(&t_order, r.events[1], r.events[2]), "cudaEventElapsedTime");
+    std::int32_t flag[2] = {0, 0};
+    std::vector<std::int32_t> host(static_cast<std::size_t>(rows));
+    cuda_ok(cudaMemcpy(flag, overflow, sizeof flag, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    cuda_ok(cudaMemcpy(host.data(), counts, host.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost), "cudaMemcpy");
+    if (flag[0] != 0) throw std::runtime_error("route row " + std::to_string(flag[0] - 1) + " overflowed");
+    *prepare_ms = t_prepare / iters;
+    *order_ms = t_order / iters;
+    *records = 0;
+    for (std::int32_t c : host) *records += c;
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
+}  // extern "C"
