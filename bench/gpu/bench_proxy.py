@@ -1,14 +1,22 @@
 #!/usr/bin/env python3
-"""Proxy compensation overhead on the GPU (issue 11.3): bsattn's forward with proxy terms on the
-eligible blocks against the exact run with the same selected set (no mask, so every unselected
-block is eligible). bf16, D 128, MHA H 40, one random pattern per head, density 0.175 (each
-(head, Q block) row selects round(0.175 * nKB) blocks, the diagonal one always), blocks 64 x 64
-and 128 x 128, S 10800 and 32768. Summaries come from bsattn's build_summaries. Before timing,
-rows of a few (head, Q block) pairs of both runs are checked against a float64 torch reference
-(exact: softmax over the selected tokens; proxy: plus one term p_j = exp(s_j) per unselected
-block with weight n_j in the denominator and p_j * v_summary_j in the numerator). Times are the
-median of >= 20 CUDA-event timings after warm-up, exact and proxy interleaved. Target: overhead
-<= 8 %.
+"""Proxy compensation overhead on the GPU (issue 11.3) and where it goes: bsattn's forward with
+proxy terms on the eligible blocks against the exact run with the same selected set (no mask, so
+every unselected block is eligible). bf16, D 128, MHA H 40, one random pattern per head, density
+0.175 (each (head, Q block) row selects round(0.175 * nKB) blocks, the diagonal one always),
+blocks 64 x 64 and 128 x 128, S 10800 and 32768. Summaries come from bsattn's build_summaries.
+
+Three runs per shape, each checked first on rows of a few (head, Q block) pairs against a float64
+torch reference (exact: softmax over the selected tokens; proxy: plus one term p_j = exp(s_j) per
+unselected block with weight n_j in the denominator and p_j * v_summary_j in the numerator):
+  exact        proxy off;
+  proxy-empty  an explicit proxy set with no block: the proxy kernel and proxy route preparation
+               on the exact work alone (what the kernel variant costs without proxy steps);
+  proxy        every unselected block compensated (the configuration of the target).
+Per run: the total (median of --iters CUDA-event timings, the runs interleaved), route
+preparation and the longest-first ordering timed on their own (bsattn_bench_prepare_time), and
+the attention kernel's GPU time from torch.profiler (when it records kernels). The split of the
+overhead, proxy - exact = route preparation + kernel variant (proxy-empty - exact kernel) + proxy
+steps (proxy - proxy-empty kernel), follows each shape. Target: overhead <= 8 %. Under a minute.
 
   python3 bench/gpu/bench_proxy.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--out proxy.md]
 """
@@ -16,9 +24,12 @@ import argparse
 import ctypes
 import math
 import os
-import statistics
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
 
 P = argparse.ArgumentParser()
 P.add_argument("--lib", required=True)
@@ -26,29 +37,24 @@ P.add_argument("--iters", type=int, default=20)
 P.add_argument("--out", default="")
 ARGS = P.parse_args()
 
-LIB = ctypes.CDLL(os.path.abspath(ARGS.lib))
-LIB.bsattn_bench_plan.restype = ctypes.c_void_p
-LIB.bsattn_bench_plan.argtypes = [ctypes.c_int] * 12
-LIB.bsattn_bench_run.restype = ctypes.c_int
-LIB.bsattn_bench_run.argtypes = [ctypes.c_void_p] * 9
-LIB.bsattn_bench_set_proxy.restype = ctypes.c_int
-LIB.bsattn_bench_set_proxy.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-LIB.bsattn_bench_summaries.restype = ctypes.c_int
-LIB.bsattn_bench_summaries.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p] * 5
-LIB.bsattn_bench_check.restype = ctypes.c_int
-LIB.bsattn_bench_check.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-LIB.bsattn_bench_free.argtypes = [ctypes.c_void_p]
-LIB.bsattn_bench_error.restype = ctypes.c_char_p
+LIB = benchlib.load(ARGS.lib, need=("bsattn_bench_plan", "bsattn_bench_set_proxy", "bsattn_bench_summaries"))
+_V, _I = ctypes.c_void_p, ctypes.c_int
+for name, res, args in (
+        ("bsattn_bench_set_proxy_set", _I, [_V] * 3),
+        ("bsattn_bench_run_proxy_set", _I, [_V] * 10),
+        ("bsattn_bench_prepare_time", _I, [_V] * 10 + [_I, ctypes.POINTER(ctypes.c_double),
+                                                      ctypes.POINTER(ctypes.c_double),
+                                                      ctypes.POINTER(ctypes.c_longlong)])):
+    if not hasattr(LIB, name):
+        raise RuntimeError(f"{ARGS.lib} lacks {name}: rebuild the bench target (bench/gpu/bench_shim.cpp)")
+    getattr(LIB, name).restype, getattr(LIB, name).argtypes = res, args
 H, D, DENSITY = 40, 128, 0.175
-
-
-def ptr(t):
-    return ctypes.c_void_p(t.data_ptr()) if t is not None else None
+VARIANTS = ("exact", "proxy-empty", "proxy")
+ptr = benchlib.ptr
 
 
 def ok(rc):
-    if rc != 0:
-        raise RuntimeError(LIB.bsattn_bench_error().decode())
+    benchlib.ok(LIB, rc)
 
 
 def pattern(S, block, gen):
@@ -91,11 +97,12 @@ def reference_rows(q, k, v, ks, vs, sel, block, h, qb, proxy):
     return num / den, rows
 
 
-def timed_pair(fns, iters):
+def timed_interleaved(fns, iters):
     """Median ms of each fn, the runs interleaved so that clocks and thermals hit all alike."""
     for fn in fns:
         for _ in range(3):
             fn()
+    torch.cuda.synchronize()
     times = [[] for _ in fns]
     for _ in range(iters):
         for i, fn in enumerate(fns):
@@ -105,14 +112,47 @@ def timed_pair(fns, iters):
             b.record()
             b.synchronize()
             times[i].append(a.elapsed_time(b))
-    return [statistics.median(t) for t in times]
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def kernel_ms(fn, reps=5):
+    """GPU ms per call of the attention kernel (forward_kernel_ws*) from torch.profiler, or None
+    where the profiler records no kernels (no CUPTI)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        total = 0.0
+        for e in prof.key_averages():
+            if "forward_kernel_ws" not in e.key:
+                continue
+            for attr in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
+                t = getattr(e, attr, None)
+                if t:
+                    total += t
+                    break
+        return total / reps / 1e3 if total > 0 else None
+    except Exception as exc:  # a profiler that cannot run leaves the column empty, not the benchmark
+        print(f"  (torch.profiler: {exc})", file=sys.stderr)
+        return None
+
+
+def fmt(x, spec):
+    return format(x, spec) if x is not None else "n/a"
 
 
 def main():
     gen = torch.Generator().manual_seed(0)
-    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    rows = ["| S | block | exact ms | proxy ms | overhead | exact eff. TFLOP/s | max abs err exact / proxy vs float64 |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    stream = benchlib.stream()
+    rows = [benchlib.header("bench_proxy.py"), "",
+            "| S | block | run | total ms | prepare us | order us | kernel ms | routes / row | max abs err vs float64 |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    notes = []
+    print("\n".join(rows), flush=True)
     for S in (10800, 32768):
         torch.manual_seed(S)
         q = torch.randn(1, S, H, D, dtype=torch.bfloat16, device="cuda")
@@ -121,47 +161,70 @@ def main():
         for block in (64, 128):
             nkb = (S + block - 1) // block
             cnt, idx, sel = pattern(S, block, gen)
+            no_cnt = torch.zeros_like(cnt)  # the empty explicit proxy set
+            no_idx = torch.full_like(idx, -1)
             ks = torch.empty(1, nkb, H, D, dtype=torch.bfloat16, device="cuda")
             vs = torch.empty_like(ks)
             ok(LIB.bsattn_bench_summaries(1, S, H, D, 0, block, ptr(k), ptr(v), ptr(ks), ptr(vs), stream))
-            outs = {}
-            handles = {}
-            for proxy in (False, True):
-                h = LIB.bsattn_bench_plan(1, S, H, H, D, 0, block, block, 1, H, 0, -1)
-                if not h:
-                    raise RuntimeError(LIB.bsattn_bench_error().decode())
-                if proxy:
-                    ok(LIB.bsattn_bench_set_proxy(h, 1, ptr(ks), ptr(vs)))
-                handles[proxy] = h
-                outs[proxy] = torch.full_like(q, float("nan"))
-            calls = [lambda p=p: ok(LIB.bsattn_bench_run(handles[p], ptr(q), ptr(k), ptr(v), ptr(outs[p]), None,
-                                                         ptr(cnt), ptr(idx), stream)) for p in (False, True)]
-            for p, call in zip((False, True), calls):
-                call()
-                ok(LIB.bsattn_bench_check(handles[p], stream))
-            errs = []
-            for p in (False, True):
-                assert torch.isfinite(outs[p]).all().item(), "non-finite output"
+            tile_m = 128 if block % 128 == 0 else 64  # plan.cpp's choose_tiles
+            route_rows = H * ((S + tile_m - 1) // tile_m)
+            plans, outs, calls, proxy_sets = {}, {}, {}, {}
+            for name in VARIANTS:
+                plan = benchlib.Plan(LIB, LIB.bsattn_bench_plan(1, S, H, H, D, 0, block, block, 1, H, 0, -1))
+                out = torch.full_like(q, float("nan"))
+                if name == "proxy":
+                    ok(LIB.bsattn_bench_set_proxy(plan.h, 1, ptr(ks), ptr(vs)))
+                    proxy_sets[name] = (None, None)
+                    calls[name] = lambda h=plan.h, o=out: ok(LIB.bsattn_bench_run(
+                        h, ptr(q), ptr(k), ptr(v), ptr(o), None, ptr(cnt), ptr(idx), stream))
+                elif name == "proxy-empty":
+                    ok(LIB.bsattn_bench_set_proxy_set(plan.h, ptr(ks), ptr(vs)))
+                    proxy_sets[name] = (no_cnt, no_idx)
+                    calls[name] = lambda h=plan.h, o=out: ok(LIB.bsattn_bench_run_proxy_set(
+                        h, ptr(q), ptr(k), ptr(v), ptr(o), ptr(cnt), ptr(idx), ptr(no_cnt), ptr(no_idx), stream))
+                else:
+                    proxy_sets[name] = (None, None)
+                    calls[name] = lambda h=plan.h, o=out: ok(LIB.bsattn_bench_run(
+                        h, ptr(q), ptr(k), ptr(v), ptr(o), None, ptr(cnt), ptr(idx), stream))
+                plans[name], outs[name] = plan, out
+            errs = {}
+            for name in VARIANTS:
+                calls[name]()
+                plans[name].check()
+                assert torch.isfinite(outs[name]).all().item(), f"{name}: non-finite output"
                 err = 0.0
                 for h in (0, H // 2, H - 1):
                     for qb in (0, nkb // 2, nkb - 1):
-                        ref, r = reference_rows(q, k, v, ks, vs, sel, block, h, qb, p)
-                        err = max(err, (outs[p][0, r, h].double() - ref).abs().max().item())
-                errs.append(err)
-            exact_ms, proxy_ms = timed_pair(calls, ARGS.iters)
-            tokens = torch.clamp(S - torch.arange(nkb) * block, max=block).double()  # per block, Q and KV alike
-            pairs = (sel.double() * tokens[None, :, None] * tokens[None, None, :]).sum().item()
-            flops = 4.0 * D * pairs
-            bad = "" if max(errs) <= 2e-2 else " MISMATCH"
-            rows.append(f"| {S} | {block} x {block} | {exact_ms:.3f} | {proxy_ms:.3f} | "
-                        f"{100 * (proxy_ms / exact_ms - 1):+.1f} % | {flops / exact_ms / 1e9:.0f} | "
-                        f"{errs[0]:.1e} / {errs[1]:.1e}{bad} |")
-            print(rows[-1], flush=True)
-            for h in handles.values():
-                LIB.bsattn_bench_free(h)
-    if ARGS.out:
-        with open(ARGS.out, "w") as f:
-            f.write("\n".join(rows) + "\n")
+                        ref, r = reference_rows(q, k, v, ks, vs, sel, block, h, qb, name == "proxy")
+                        err = max(err, (outs[name][0, r, h].double() - ref).abs().max().item())
+                errs[name] = err
+            totals = dict(zip(VARIANTS, timed_interleaved([calls[n] for n in VARIANTS], ARGS.iters)))
+            prep, order, kern, records = {}, {}, {}, {}
+            for name in VARIANTS:
+                pm, om, rec = ctypes.c_double(), ctypes.c_double(), ctypes.c_longlong()
+                pc, pi = proxy_sets[name]
+                ok(LIB.bsattn_bench_prepare_time(plans[name].h, ptr(q), ptr(k), ptr(v), ptr(outs[name]), ptr(cnt),
+                                                 ptr(idx), ptr(pc), ptr(pi), stream, 10, ctypes.byref(pm),
+                                                 ctypes.byref(om), ctypes.byref(rec)))
+                prep[name], order[name] = pm.value, om.value
+                records[name] = rec.value / route_rows
+                kern[name] = kernel_ms(calls[name])
+            for name in VARIANTS:
+                bad = "" if errs[name] <= 2e-2 else " MISMATCH"
+                rows.append(f"| {S} | {block} x {block} | {name} | {totals[name]:.3f} | {1e3 * prep[name]:.1f} | "
+                            f"{1e3 * order[name]:.1f} | {fmt(kern[name], '.3f')} | {records[name]:.1f} | "
+                            f"{errs[name]:.1e}{bad} |")
+                print(rows[-1], flush=True)
+            over = totals["proxy"] - totals["exact"]
+            line = (f"S {S}, blocks {block}: overhead {over:+.3f} ms ({100 * over / totals['exact']:+.1f} %) = "
+                    f"route preparation {prep['proxy'] - prep['exact']:+.3f} ms")
+            if all(kern[n] is not None for n in VARIANTS):
+                line += (f" + kernel variant {kern['proxy-empty'] - kern['exact']:+.3f} ms"
+                         f" + proxy steps {kern['proxy'] - kern['proxy-empty']:+.3f} ms")
+            notes.append(line)
+            print(line, flush=True)
+            del plans, outs, calls
+    benchlib.write(ARGS.out, rows + [""] + notes)
 
 
 main()
