@@ -209,12 +209,15 @@ def autograd_reference(c):
     return torch.autograd.grad((o * c.dout.float()).sum(), (q, k, v))
 
 
+SMALL_S = 1024
+
+
 def small_check():
-    """bsattn against autograd at S = 1024, and the chunked reference against autograd."""
+    """bsattn against autograd at S = SMALL_S, and the chunked reference against autograd."""
     good = True
     for D in (64, 128, 256):
         for kind in ("random", "causal"):
-            c = Case(1024, D, kind, 0.3, 100 + D)
+            c = Case(SMALL_S, D, kind, 0.3, 100 + D)
             ours = Ours(c)
             ours()
             ours.plan.check()
@@ -225,7 +228,7 @@ def small_check():
             r = [max((a - b).norm().item() / b.norm().item() for a, b in zip(refs[hk], sub[hk])) for hk in refs]
             ok = max(e) < TOL and max(r) < 1e-4
             good &= ok
-            print(f"small check S=1024 D={D} {kind}: bsattn rel L2 dq {e[0]:.1e} dk {e[1]:.1e} dv {e[2]:.1e}; "
+            print(f"small check S={SMALL_S} D={D} {kind}: bsattn rel L2 dq {e[0]:.1e} dk {e[1]:.1e} dv {e[2]:.1e}; "
                   f"chunked reference vs autograd {max(r):.1e} -> {'OK' if ok else 'FAIL'}", flush=True)
     return good
 
