@@ -261,9 +261,9 @@ def flex_grads_fn(row, c, leaves):
     """A callable running FlexAttention's backward (autograd.grad of its compiled forward)."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
     if "fn" not in FLEX:
-        import torch._dynamo
-        torch._dynamo.config.recompile_limit = 64
-        torch._dynamo.config.cache_size_limit = 64
+        import torch._dynamo as dynamo  # binds `dynamo` only (a bare `import torch._dynamo` would make torch local)
+        dynamo.config.recompile_limit = 64
+        dynamo.config.cache_size_limit = 64
         FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     if c.kind == "causal":
         def mod(b, h, qi, ki):

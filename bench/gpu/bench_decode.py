@@ -263,9 +263,9 @@ def flex_calls(row, x):
     """FlexAttention's calls (compiled) on the row's input copies, O in q's layout."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
     if "fn" not in FLEX:
-        import torch._dynamo
-        torch._dynamo.config.recompile_limit = 64  # one compile per shape / mask
-        torch._dynamo.config.cache_size_limit = 64
+        import torch._dynamo as dynamo  # binds `dynamo` only (a bare `import torch._dynamo` would make torch local)
+        dynamo.config.recompile_limit = 64  # one compile per shape / mask
+        dynamo.config.cache_size_limit = 64
         FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     fa = FLEX["fn"]
     bm = None
