@@ -23,6 +23,11 @@ struct TileShape {
   int unit_m = 0;         // rows per Q unit: min(Bq, tile_m)
   int units_per_tile = 0;  // tile_m / unit_m: Q blocks smaller than the tile share it
   int kv_split = 0;        // Bk / tile_n: KV tiles per KV block
+  // GPU decode kernel (a few queries per sequence): query heads of one KV group packed into a
+  // tile's 64 rows (tile_m = 64 / packed_heads tokens), and work items per (route row, head group)
+  // over its KV routes, merged after the kernel. 0: the prefill kernels.
+  int packed_heads = 0;
+  int kv_splits = 0;
 };
 
 // plan() does the host work once: checks the problem, chooses tiles, sizes and allocates the

@@ -20,6 +20,8 @@
 #include "gpu/attention.hpp"
 #include "gpu/backward.hpp"
 #include "gpu/device_guard.hpp"
+#include "gpu/device_info.hpp"
+#include "gpu/merge_states.hpp"
 #include "gpu/prepare_routes.hpp"
 #endif
 
@@ -55,6 +57,33 @@ TileShape choose_tiles(const Problem& pb) {
 using gpu::cuda_check;
 using gpu::DeviceGuard;
 
+// The GPU decode kernel's shape (TileShape::packed_heads, kv_splits; gpu/fwd/decode.cuh), chosen
+// when a tile of 64 rows holds every query of a sequence for P query heads: P the largest power of
+// two up to 4 dividing both the KV group and the query heads of a sparsity head (so the packed
+// heads share K/V tiles and routes), and max_seqlen_q <= 64 / P. More heads per tile would leave
+// fewer than 16 tokens (tile_m is a multiple of 16). Not for an explicit tile_m, proxy routes, or
+// a plan for the backward (whose kernels take the prefill tiles). Split-KV when the work items
+// (sequences x head groups) leave multiprocessors idle: as many splits as fill them, each at
+// least 4 routes long; batched Q only (the merge covers every row of the output, which varlen Q
+// may leave unwritten past its sequences).
+static void choose_decode(const Problem& pb, const route::RouteParams& geo, int routes_per_row, int sms,
+                          TileShape& t) {
+  if (pb.tile_m > 0 || pb.proxy != Proxy::off || pb.backward || pb.heads_kv <= 0) return;
+  const int group = pb.heads_q / pb.heads_kv, per_sparsity_head = pb.heads_q / geo.sparsity_heads;
+  int heads = 1;
+  while (heads < 4 && group % (2 * heads) == 0 && per_sparsity_head % (2 * heads) == 0) heads *= 2;
+  const int tokens = 64 / heads;
+  if (pb.max_seqlen_q > tokens) return;
+  t.tile_m = tokens;
+  t.unit_m = std::min(pb.block.q, tokens);
+  t.units_per_tile = tokens / t.unit_m;
+  t.packed_heads = heads;
+  t.kv_splits = 1;
+  const std::int64_t items = static_cast<std::int64_t>(pb.batch) * (pb.heads_q / heads);
+  if (pb.q_layout == QLayout::batched && items < sms)
+    t.kv_splits = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(sms / items, routes_per_row / 4)));
+}
+
 // The GPU plan's workspace: one cudaMalloc at plan time, carved into the overflow flag, route
 // counts, derived varlen offsets and route records. run() allocates nothing.
 struct DeviceWorkspace {
@@ -70,6 +99,9 @@ struct DeviceWorkspace {
   std::int32_t* cu_total_m_blocks = nullptr;
   std::int32_t* cu_block_idx_offsets = nullptr;
   route::Route* routes = nullptr;
+  // The decode kernel's fp32 partial results when it splits KV (TileShape::kv_splits > 1).
+  float* partial_out = nullptr;
+  float* partial_lse = nullptr;
   // The backward's storage (gpu/backward.hpp), after the routes; empty when `backward_refused`
   // says why this problem has no GPU backward.
   gpu::BackwardWorkspace backward;
@@ -88,7 +120,9 @@ struct DeviceWorkspace {
     }
   }
 
-  void allocate(int dev, std::int64_t rows, int capacity, int batch, const gpu::BackwardGeometry* backward_geometry) {
+  // `partial_floats`: the decode splits' partial O and LSE (0 without splits).
+  void allocate(int dev, std::int64_t rows, int capacity, int batch, const gpu::BackwardGeometry* backward_geometry,
+                std::size_t partial_out_floats, std::size_t partial_lse_floats) {
     device = dev;
     const auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
     const std::size_t off_counts = 256;
@@ -96,7 +130,9 @@ struct DeviceWorkspace {
     const std::size_t off_cu_m = off_order + align(static_cast<std::size_t>(rows) * sizeof(std::int32_t));
     const std::size_t off_cu_idx = off_cu_m + align((batch + 1) * sizeof(std::int32_t));
     const std::size_t off_routes = off_cu_idx + align((batch + 1) * sizeof(std::int32_t));
-    const std::size_t off_backward = align(off_routes + static_cast<std::size_t>(rows) * capacity * sizeof(route::Route));
+    const std::size_t off_partial_out = align(off_routes + static_cast<std::size_t>(rows) * capacity * sizeof(route::Route));
+    const std::size_t off_partial_lse = off_partial_out + align(partial_out_floats * sizeof(float));
+    const std::size_t off_backward = off_partial_lse + align(partial_lse_floats * sizeof(float));
     bytes = off_backward + (backward_geometry ? gpu::BackwardWorkspace::bytes(*backward_geometry) : 0);
     DeviceGuard guard(dev);
     cuda_check(cudaMalloc(&base, bytes), "cudaMalloc (plan workspace)");
@@ -109,6 +145,10 @@ struct DeviceWorkspace {
     cu_total_m_blocks = reinterpret_cast<std::int32_t*>(p + off_cu_m);
     cu_block_idx_offsets = reinterpret_cast<std::int32_t*>(p + off_cu_idx);
     routes = reinterpret_cast<route::Route*>(p + off_routes);
+    if (partial_out_floats > 0) {
+      partial_out = reinterpret_cast<float*>(p + off_partial_out);
+      partial_lse = reinterpret_cast<float*>(p + off_partial_lse);
+    }
     if (backward_geometry) backward.carve(p + off_backward, *backward_geometry);
     cuda_check(cudaMemset(overflow, 0, kFlagBytes), "cudaMemset (plan workspace)");
   }
@@ -180,6 +220,10 @@ struct Plan::Impl {
   Outputs checked_outputs;
   bool structure_checked = false;
   void prepare_gpu_routes(AttentionParams& a, Stream stream);
+#if BSATTN_WITH_CUDA
+  void run_decode_splits(const AttentionParams& a, const gpu::TokenExtents& extents, gpu::DecodeShape& decode,
+                         cudaStream_t s);
+#endif
   void run_backward_gpu(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
                         Stream stream);
   void check_gpu(Stream stream);
@@ -231,7 +275,18 @@ void Plan::plan(const Problem& problem) {
       throw Error("problem.page_size", std::to_string(problem.page_size) +
                                            ": the GPU kernels take pages of a multiple of 16 tokens; use Device::cpu");
     const ElementType et = problem.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16;
-    if (gpu::forward_kernel_block_n(et, problem.head_dim, next->tiles.tile_m, next->tiles.tile_n) == 0)
+    {
+      DeviceGuard guard(problem.device_index);
+      const route::RouteParams prefill = formats::route_geometry(problem, next->tiles, 0);
+      TileShape decode = next->tiles;
+      choose_decode(problem, prefill, prefill.max_kv_blocks * next->tiles.kv_split,
+                    gpu::multiprocessors(problem.device_index), decode);
+      if (decode.packed_heads > 0 &&
+          gpu::forward_kernel_block_n(et, problem.head_dim, decode.tile_m, decode.tile_n, false, true) != 0)
+        next->tiles = decode;
+    }
+    if (gpu::forward_kernel_block_n(et, problem.head_dim, next->tiles.tile_m, next->tiles.tile_n, false,
+                                    next->tiles.packed_heads > 0) == 0)
       throw Error("problem.head_dim", "no GPU kernel in this build for " + std::string(to_string(problem.dtype)) +
                                           ", head_dim " + std::to_string(problem.head_dim) + ", tile " +
                                           std::to_string(next->tiles.tile_m) + "x" + std::to_string(next->tiles.tile_n) +
@@ -258,12 +313,16 @@ void Plan::plan(const Problem& problem) {
     DeviceWorkspace& ws = *next->device;
     const bool has_backward =
         gpu_backward_geometry(problem, next->tiles, geo, backward, ws.backward_refused_field, ws.backward_refused);
-    ws.allocate(problem.device_index, rows, next->capacity, problem.batch, has_backward ? &backward : nullptr);
+    const TileShape& t = next->tiles;
+    const std::size_t partial_rows =
+        t.kv_splits > 1 ? static_cast<std::size_t>(t.kv_splits) * problem.batch * problem.max_seqlen_q * problem.heads_q : 0;
+    ws.allocate(problem.device_index, rows, next->capacity, problem.batch, has_backward ? &backward : nullptr,
+                partial_rows * problem.head_dim, partial_rows);
     {
       DeviceGuard guard(problem.device_index);
       const ElementType et = problem.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16;
-      cuda_check(gpu::configure_forward(et, problem.head_dim, next->tiles.tile_m, next->tiles.tile_n,
-                                        problem.proxy != Proxy::off),
+      cuda_check(gpu::configure_forward(et, problem.head_dim, t.tile_m, t.tile_n, problem.proxy != Proxy::off,
+                                        t.packed_heads > 0),
                  "configure forward kernel");
       if (has_backward)
         cuda_check(gpu::configure_backward(et, problem.head_dim, next->tiles.tile_n), "configure backward kernel");
@@ -356,7 +415,72 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   const int tdim = p.varlen_kv ? 0 : 1;
   extents.kv = std::min(inputs.k.shape[tdim], inputs.v.shape[tdim]);
   if (p.paged) extents.kv_pages = std::min(inputs.k.shape[0], inputs.v.shape[0]);
-  cuda_check(gpu::run_forward(a, extents, ws.overflow, s), "forward kernel launch");
+  if (tiles.packed_heads == 0) {
+    cuda_check(gpu::run_forward(a, extents, ws.overflow, s), "forward kernel launch");
+    return;
+  }
+  gpu::DecodeShape decode;
+  decode.packed_heads = tiles.packed_heads;
+  decode.kv_splits = tiles.kv_splits;
+  if (tiles.kv_splits == 1) {
+    cuda_check(gpu::run_forward(a, extents, ws.overflow, s, &decode), "forward kernel launch");
+    return;
+  }
+  run_decode_splits(a, extents, decode, s);
+}
+
+// Split-KV decode (batched Q): the kernel writes each split's normalised O and LSE in fp32, laid
+// out as batched outputs split after split, and merge_states combines them into the caller's
+// outputs (skipped, like the kernel, after a route overflow).
+void Plan::Impl::run_decode_splits(const AttentionParams& a, const gpu::TokenExtents& extents,
+                                   gpu::DecodeShape& decode, cudaStream_t s) {
+  DeviceWorkspace& ws = *device;
+  const std::int64_t B = problem.batch, Sq = problem.max_seqlen_q, H = problem.heads_q, D = problem.head_dim;
+  merge::Layout partial;
+  partial.out = ws.partial_out;
+  partial.out_head_stride = D;
+  partial.out_token_stride = H * D;
+  partial.out_batch_stride = Sq * H * D;
+  partial.lse = ws.partial_lse;
+  partial.lse_token_stride = 1;
+  partial.lse_head_stride = Sq;
+  partial.lse_batch_stride = H * Sq;
+  decode.partial_out = ws.partial_out;
+  decode.partial_lse = ws.partial_lse;
+  decode.out_split_step = B * Sq * H * D;
+  decode.lse_split_step = B * H * Sq;
+  AttentionParams splits = a;
+  splits.out = partial.out;
+  splits.out_type = ElementType::f32;
+  splits.out_batch_stride = partial.out_batch_stride;
+  splits.out_token_stride = partial.out_token_stride;
+  splits.out_head_stride = partial.out_head_stride;
+  splits.lse = partial.lse;
+  splits.lse_batch_stride = partial.lse_batch_stride;
+  splits.lse_head_stride = partial.lse_head_stride;
+  splits.lse_token_stride = partial.lse_token_stride;
+  cuda_check(gpu::run_forward(splits, extents, ws.overflow, s, &decode), "forward kernel launch");
+  merge::MergeParams m;
+  m.type = ElementType::f32;
+  m.result_type = a.out_type;
+  m.parts = decode.kv_splits;
+  m.head_dim = problem.head_dim;
+  m.batch = B;
+  m.tokens = Sq;
+  m.heads = H;
+  m.first = m.second = partial;
+  m.out_part_step = decode.out_split_step;
+  m.lse_part_step = decode.lse_split_step;
+  m.result.out = a.out;
+  m.result.out_batch_stride = a.out_batch_stride;
+  m.result.out_token_stride = a.out_token_stride;
+  m.result.out_head_stride = a.out_head_stride;
+  m.result.lse = a.lse;
+  m.result.lse_batch_stride = a.lse_batch_stride;
+  m.result.lse_head_stride = a.lse_head_stride;
+  m.result.lse_token_stride = a.lse_token_stride;
+  m.skip_if = ws.overflow;
+  cuda_check(gpu::merge_states(m, s), "merge_states (decode splits)");
 }
 
 // Clears the overflow flag and work counter, derives varlen offsets when not given, binds the

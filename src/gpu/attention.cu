@@ -4,7 +4,7 @@ namespace bsattn::gpu {
 namespace fwd {
 #define BSATTN_DECLARE_FAMILY(NAME) \
   cudaError_t run_##NAME(const AttentionParams* a, int tile_m, int block_n, const TokenExtents& extents, \
-                         const int* overflow, cudaStream_t s);
+                         const int* overflow, cudaStream_t s, const DecodeShape* decode);
 BSATTN_DECLARE_FAMILY(bf16_d64)
 BSATTN_DECLARE_FAMILY(bf16_d128)
 BSATTN_DECLARE_FAMILY(bf16_d256)
@@ -18,7 +18,8 @@ BSATTN_DECLARE_FAMILY(proxy_f16_d128)
 
 namespace {
 
-using Family = cudaError_t (*)(const AttentionParams*, int, int, const TokenExtents&, const int*, cudaStream_t);
+using Family = cudaError_t (*)(const AttentionParams*, int, int, const TokenExtents&, const int*, cudaStream_t,
+                               const DecodeShape*);
 
 // The compiled proxy family (SPEC §6) for (dtype, head dim): f16 and bf16 at D = 128 so far.
 Family proxy_family(ElementType t, int d) {
@@ -80,29 +81,31 @@ Family family(ElementType t, int d, bool proxy) {
 
 }  // namespace
 
-int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy) {
-  if (!family(dtype, head_dim, proxy)) return 0;
-  if (tile_m != 64 && tile_m != 128) return 0;
+int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy, bool decode) {
+  if (!family(dtype, head_dim, proxy) || (decode && proxy)) return 0;
+  if (decode ? tile_m != 16 && tile_m != 32 && tile_m != 64 : tile_m != 64 && tile_m != 128) return 0;
   if (tile_n <= 0 || tile_n % 16 != 0) return 0;
   if (tile_n <= 64) return 64;
   if (head_dim <= 128 && tile_n <= 128) return 128;
   return 0;
 }
 
-cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy) {
+cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy, bool decode) {
   const Family f = family(dtype, head_dim, proxy);
-  const int block_n = forward_kernel_block_n(dtype, head_dim, tile_m, tile_n, proxy);
+  const int block_n = forward_kernel_block_n(dtype, head_dim, tile_m, tile_n, proxy, decode);
   if (!f || block_n == 0) return cudaErrorInvalidValue;
-  return f(nullptr, tile_m, block_n, TokenExtents{}, nullptr, nullptr);
+  const DecodeShape shape;
+  return f(nullptr, tile_m, block_n, TokenExtents{}, nullptr, nullptr, decode ? &shape : nullptr);
 }
 
 cudaError_t run_forward(const AttentionParams& a, const TokenExtents& extents, const int* overflow,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, const DecodeShape* decode) {
   const bool proxy = a.route.proxy_mode != 0;
   const Family f = family(a.in_type, a.head_dim, proxy);
-  const int block_n = forward_kernel_block_n(a.in_type, a.head_dim, a.route.tile_m, a.route.tile_n, proxy);
+  const int block_n =
+      forward_kernel_block_n(a.in_type, a.head_dim, a.route.tile_m, a.route.tile_n, proxy, decode != nullptr);
   if (!f || block_n == 0) return cudaErrorInvalidValue;
-  return f(&a, a.route.tile_m, block_n, extents, overflow, stream);
+  return f(&a, a.route.tile_m, block_n, extents, overflow, stream, decode);
 }
 
 }  // namespace bsattn::gpu

@@ -14,19 +14,35 @@ struct TokenExtents {
   std::int64_t q = 0, kv = 0, kv_pages = 0;
 };
 
+// The decode kernel's shape (fwd/decode.cuh), chosen at plan time: a tile's 64 rows are
+// `packed_heads` query heads of one KV group (a power of two) times 64 / packed_heads tokens (the
+// route tile_m), and each (route row, head group) is cut into `kv_splits` work items over its
+// routes. With splits, the kernel writes fp32 partial O and LSE (laid out as the outputs, split
+// after split, `out_split_step` / `lse_split_step` elements apart) that merge_states combines.
+struct DecodeShape {
+  int packed_heads = 1;
+  int kv_splits = 1;
+  float* partial_out = nullptr;  // [kv_splits, q rows, Hq, D] fp32 when kv_splits > 1
+  float* partial_lse = nullptr;  // [kv_splits, B, Hq, Sq] fp32
+  std::int64_t out_split_step = 0, lse_split_step = 0;
+};
+
 // KV tile width of the kernel that serves a route tile_n (the smallest compiled width >= tile_n),
 // or 0 if this build has no kernel for (dtype, head_dim, tile_m, tile_n) (with proxy compensation:
-// `proxy`, SPEC §6).
-int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy = false);
+// `proxy`, SPEC §6; the decode kernel: `decode`, tile_m 16, 32 or 64).
+int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy = false,
+                           bool decode = false);
 
 // Raises the shared-memory limit of the kernels that serve this shape and records how many CTA
 // pairs fit on the current device (plan time: not a stream operation, so run() stays capturable).
-cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy = false);
+cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy = false,
+                              bool decode = false);
 
 // Launches the forward kernel for params (device pointers; routes and counts prepared; with proxy
-// routes also params.route_proxy_counts).
+// routes also params.route_proxy_counts); `decode`: the decode kernel of that shape (with splits it
+// writes the partial results only: the caller merges them).
 // `overflow` is the device flag route preparation raised; a set flag makes the kernel write nothing.
 cudaError_t run_forward(const AttentionParams& params, const TokenExtents& extents, const int* overflow,
-                        cudaStream_t stream);
+                        cudaStream_t stream, const DecodeShape* decode = nullptr);
 
 }  // namespace bsattn::gpu

@@ -175,6 +175,7 @@ struct CaseSpec {
   bool full_set = true;
   int mask = -1;  // -1 drawn; 0 none, 1 causal, 2 causal+window, 3 window+sink, 4 documents, 5 kv-valid bits
   int max_seqlen = 300;
+  int max_seqlen_q = 0;  // query tokens (0: max_seqlen), e.g. a few for decode cases
   int batch = 0;  // 0: drawn
   bool out_f32 = false;  // f32 output (the kernel stages it in two column halves)
   // Proxy compensation (SPEC §6): summaries built by the CPU engine; an explicit set names each
@@ -216,9 +217,10 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
   p.proxy = spec.proxy;
 
   // Sequence lengths: tails everywhere; varlen has empty sequences.
+  const int max_q = spec.max_seqlen_q > 0 ? spec.max_seqlen_q : spec.max_seqlen;
   for (int b = 0; b < p.batch; ++b) {
     if (varlen) {
-      const int sq = (b == 1) ? 0 : uni(1, spec.max_seqlen);
+      const int sq = (b == 1) ? 0 : uni(1, max_q);
       const int skv = (b == 2) ? 0 : uni(1, spec.max_seqlen);
       c->seqlen_q.push_back(sq);
       c->seqlen_kv.push_back(skv);
@@ -228,7 +230,7 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
     }
   }
   if (!varlen) {
-    const int sq = uni(spec.max_seqlen / 2, spec.max_seqlen), skv = uni(spec.max_seqlen / 2, spec.max_seqlen);
+    const int sq = uni(std::max(1, max_q / 2), max_q), skv = uni(spec.max_seqlen / 2, spec.max_seqlen);
     for (int b = 0; b < p.batch; ++b) c->seqlen_q[b] = sq, c->seqlen_kv[b] = skv;
   }
   p.max_seqlen_q = std::max(1, *std::max_element(c->seqlen_q.begin(), c->seqlen_q.end()));

@@ -13,6 +13,7 @@
 #include <cuda_fp16.h>
 
 #include "bsattn/attention_params.hpp"
+#include "gpu/fwd/decode.cuh"
 #include "gpu/fwd/utils.cuh"
 
 namespace bsattn::gpu::fwd {
@@ -46,20 +47,22 @@ __device__ __forceinline__ void bulk_store_wait() {
   else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
-// One warpgroup's 64 x kHeadDim output rows. `stage` holds 64 x kHeadDim 16-bit elements: a
-// 4-byte output type is staged in two column halves. `o_map`: the bulk tensor map of O (16-bit
-// outputs), or null. The validator guarantees O's base and strides are 16-byte aligned (SPEC:
-// vector access).
-template <class Out, int kHeadDim, class TO, class TC>
+// One warpgroup's 64 x kHeadDim output rows (row r: token q_begin + rows.token(r) of head
+// h + rows.head(r)). `stage` holds 64 x kHeadDim 16-bit elements: a 4-byte output type is staged
+// in two column halves. `o_map`: the bulk tensor map of O (16-bit outputs), or null. The validator
+// guarantees O's base and strides are 16-byte aligned (SPEC: vector access). `shift`: elements
+// added to O's offsets (a decode split's partial result).
+template <class Out, int kHeadDim, bool kPacked, class TO, class TC>
 __device__ __forceinline__ void store_tile(const TO& o, const TC& c, char* stage, const AttentionParams& a,
                                            const CUtensorMap* o_map, const route::SeqInfo& si, int b, int h,
-                                           int q_begin, int wg_tid, int barrier_id) {
+                                           int q_begin, TileRows<kPacked> rows, std::int64_t shift, int wg_tid,
+                                           int barrier_id) {
   constexpr int kPasses = sizeof(Out) / 2;
   constexpr int kCols = kHeadDim / kPasses;      // output columns per pass
   constexpr int kRowBytes = kHeadDim * 2;        // staged bytes per row
   constexpr int kChunks = kRowBytes / 16;        // 16-byte chunks per row (>= 8)
   constexpr int kPerChunk = 16 / sizeof(Out);
-  const bool bulk = kPasses == 1 && o_map != nullptr && q_begin + 64 <= si.seqlen_q;
+  const bool bulk = kPasses == 1 && o_map != nullptr && q_begin + rows.tokens() <= si.seqlen_q;
   CUTE_UNROLL
   for (int pass = 0; pass < kPasses; ++pass) {
     const int c0 = pass * kCols;
@@ -87,10 +90,10 @@ __device__ __forceinline__ void store_tile(const TO& o, const TC& c, char* stage
     barrier_sync(barrier_id, 128);
     for (int idx = wg_tid; idx < 64 * kChunks; idx += 128) {
       const int r = idx / kChunks, chunk = idx % kChunks;
-      const int q = q_begin + r;
+      const int q = q_begin + rows.token(r);
       if (q >= si.seqlen_q) continue;
       const char* src = stage + staged_offset(r, chunk * 16);
-      Out* dst = static_cast<Out*>(a.out) + a.out_offset(b, si, q, h) + c0 + chunk * kPerChunk;
+      Out* dst = static_cast<Out*>(a.out) + shift + a.out_offset(b, si, q, h + rows.head(r)) + c0 + chunk * kPerChunk;
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
     }
     barrier_sync(barrier_id, 128);  // the buffer is free again (next pass, or back to the producer)
@@ -98,27 +101,29 @@ __device__ __forceinline__ void store_tile(const TO& o, const TC& c, char* stage
 }
 
 // Normalised O (rowcol view `o`, coordinates `c` in the 64 x D tile) and LSE of one warpgroup.
-template <int kHeadDim, class TO, class TC, int kRows>
+template <int kHeadDim, bool kPacked, class TO, class TC, int kRows>
 __device__ __forceinline__ void store_output(const TO& o, const TC& c, const float (&lse)[kRows], char* stage,
                                              const AttentionParams& a, const CUtensorMap* o_map,
-                                             const route::SeqInfo& si, int b, int h, int q_begin, int wg_tid,
+                                             const route::SeqInfo& si, int b, int h, int q_begin,
+                                             TileRows<kPacked> rows, const OutputShift& shift, int wg_tid,
                                              int barrier_id) {
   if (a.lse && (threadIdx.x % 4) == 0) {
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      const int q = q_begin + get<0>(c(i, 0));
-      if (q < si.seqlen_q) a.lse[a.lse_offset(b, si, q, h)] = lse[i];
+      const int r = get<0>(c(i, 0)), q = q_begin + rows.token(r);
+      if (q < si.seqlen_q) a.lse[shift.lse + a.lse_offset(b, si, q, h + rows.head(r))] = lse[i];
     }
   }
   switch (a.out_type) {
     case ElementType::f32:
-      store_tile<float, kHeadDim>(o, c, stage, a, nullptr, si, b, h, q_begin, wg_tid, barrier_id);
+      store_tile<float, kHeadDim>(o, c, stage, a, nullptr, si, b, h, q_begin, rows, shift.out, wg_tid, barrier_id);
       break;
     case ElementType::f16:
-      store_tile<__half, kHeadDim>(o, c, stage, a, o_map, si, b, h, q_begin, wg_tid, barrier_id);
+      store_tile<__half, kHeadDim>(o, c, stage, a, o_map, si, b, h, q_begin, rows, shift.out, wg_tid, barrier_id);
       break;
     case ElementType::bf16:
-      store_tile<__nv_bfloat16, kHeadDim>(o, c, stage, a, o_map, si, b, h, q_begin, wg_tid, barrier_id);
+      store_tile<__nv_bfloat16, kHeadDim>(o, c, stage, a, o_map, si, b, h, q_begin, rows, shift.out, wg_tid,
+                                          barrier_id);
       break;
   }
 }

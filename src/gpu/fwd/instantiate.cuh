@@ -10,10 +10,19 @@ namespace bsattn::gpu::fwd {
 // tile_m 128 with 128-wide K/V tiles a CTA pair sharing its K/V loads (pair multicast). With `a`
 // null (plan time) every kernel the shape may take is configured. kProxy: the kernels with proxy
 // compensation (proxy.cuh); they have no CTA pair (its K/V halves are multicast by TMA, the
-// summary gather is a cp.async copy into one CTA).
+// summary gather is a cp.async copy into one CTA). `decode` non-null: the decode kernel
+// (decode.cuh), exact routes only.
 template <class Element, int kHeadDim, int kBlockN, bool kProxy>
 cudaError_t run_family_n(const AttentionParams* a, int tile_m, const TokenExtents& extents, const int* overflow,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, const DecodeShape* decode) {
+  if constexpr (!kProxy) {
+    // Three stages where they fit (D <= 128): one warpgroup streams K/V at memory speed and wants
+    // more bytes in flight than the prefill tiles.
+    using Decode = Traits<Element, kHeadDim, 1, kBlockN, 1, kHeadDim <= 128 ? 3 : 2, false, true>;
+    if (decode) return launch_forward_ws<Decode>(a, extents, overflow, stream, decode_geometry(*decode));
+  } else if (decode) {
+    return cudaErrorInvalidValue;
+  }
   using Rows128 = Traits<Element, kHeadDim, 2, kBlockN>;
   using Rows64 = Traits<Element, kHeadDim, 1, kBlockN>;
   using Rows64Packed = Traits<Element, kHeadDim, 2, kBlockN, 2>;
@@ -42,14 +51,15 @@ cudaError_t run_family_n(const AttentionParams* a, int tile_m, const TokenExtent
 
 }  // namespace bsattn::gpu::fwd
 
-// Defines bsattn::gpu::fwd::run_<NAME>(params or null, tile_m, block_n, extents, overflow, stream):
+// Defines bsattn::gpu::fwd::run_<NAME>(params or null, tile_m, block_n, extents, overflow, stream, decode):
 // the exact kernels (BSATTN_FORWARD_FAMILY) or the proxy ones (BSATTN_FORWARD_PROXY_FAMILY, NAME
 // proxy_<dtype>_d<D>), a translation unit each.
 #define BSATTN_FORWARD_FAMILY_OF(NAME, PROXY, ELEMENT, HEAD_DIM, ...)                                      \
   namespace bsattn::gpu::fwd {                                                                             \
   cudaError_t run_##NAME(const AttentionParams* a, int tile_m, int block_n, const TokenExtents& extents,   \
-                         const int* overflow, cudaStream_t s) {                                            \
-    return dispatch_width<ELEMENT, HEAD_DIM, PROXY, __VA_ARGS__>(a, tile_m, block_n, extents, overflow, s); \
+                         const int* overflow, cudaStream_t s, const DecodeShape* decode) {                 \
+    return dispatch_width<ELEMENT, HEAD_DIM, PROXY, __VA_ARGS__>(a, tile_m, block_n, extents, overflow, s, \
+                                                                  decode);                                 \
   }                                                                                                        \
   }
 #define BSATTN_FORWARD_FAMILY(NAME, ELEMENT, HEAD_DIM, ...) \
@@ -60,10 +70,11 @@ cudaError_t run_family_n(const AttentionParams* a, int tile_m, const TokenExtent
 namespace bsattn::gpu::fwd {
 template <class Element, int kHeadDim, bool kProxy, int kFirst, int... kRest>
 cudaError_t dispatch_width(const AttentionParams* a, int tile_m, int block_n, const TokenExtents& extents,
-                           const int* overflow, cudaStream_t s) {
-  if (block_n == kFirst) return run_family_n<Element, kHeadDim, kFirst, kProxy>(a, tile_m, extents, overflow, s);
+                           const int* overflow, cudaStream_t s, const DecodeShape* decode) {
+  if (block_n == kFirst)
+    return run_family_n<Element, kHeadDim, kFirst, kProxy>(a, tile_m, extents, overflow, s, decode);
   if constexpr (sizeof...(kRest) > 0)
-    return dispatch_width<Element, kHeadDim, kProxy, kRest...>(a, tile_m, block_n, extents, overflow, s);
+    return dispatch_width<Element, kHeadDim, kProxy, kRest...>(a, tile_m, block_n, extents, overflow, s, decode);
   return cudaErrorInvalidValue;
 }
 }  // namespace bsattn::gpu::fwd

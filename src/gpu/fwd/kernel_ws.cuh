@@ -22,6 +22,7 @@
 
 #include "bsattn/attention_params.hpp"
 #include "bsattn/route/prepare.hpp"
+#include "gpu/device_info.hpp"
 #include "gpu/fwd/epilogue.cuh"
 #include "gpu/fwd/mask.cuh"
 #include "gpu/fwd/producer.cuh"
@@ -146,8 +147,11 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         if (lane == 0) {
           const bool first = !prev.written;
           const int item = first ? first_item<kPair>() : next_item<kPair>(a, prev.item);
-          if (item < work_items(a, T::kItemHeads))
-            decode_tile(a, item, T::kItemHeads, first ? 0 : prev.first + prev.count, slot, kProxy ? kBlockN : 0);
+          const int item_heads = T::kDecode ? desc.decode.packed_heads : T::kItemHeads;
+          const int splits = T::kDecode ? desc.decode.kv_splits : 1;
+          if (item < work_items(a, item_heads, splits))
+            decode_tile(a, item, item_heads, first ? 0 : prev.first + prev.count, slot, kProxy ? kBlockN : 0,
+                        splits);
           else slot.row = -1;  // no more work
           slot.written = 1;
         }
@@ -266,8 +270,9 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     const int tile_row0 = warpgroup_row0<T>(wg);
     const int head = warpgroup_head<T>(tile, wg, pair_rank);
     const int q_begin = tile.q0 + tile_row0;
+    const TileRows<T::kDecode> tile_rows{desc.decode.tokens_log2};
     unsigned present = 0;  // units of the tile that lie inside the sequence
-    for (int u = 0; u * p.unit_m < T::kBlockM; ++u)
+    for (int u = 0; u * p.unit_m < (T::kDecode ? tile_rows.tokens() : T::kBlockM); ++u)
       if (tile.q0 + u * p.unit_m < si.seqlen_q) present |= 1u << u;
 
     OnlineSoftmax<kRows> softmax(a.scale);
@@ -286,6 +291,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       m.rows = rt.rows;
       m.masked = rt.masked;
       if (rt.masked != 0 || (rt.rows & present) != present || m.n_valid < kBlockN) {
+        m.token_mask = tile_rows.tokens() - 1;
         m.q_begin = q_begin;
         m.tile_row0 = tile_row0;
         m.unit_m = p.unit_m;
@@ -300,9 +306,14 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     // follow the slot's release (kTileEmpty) for reads between taking the next tile and it.
     route::SeqInfo out_si;
     int out_b = 0;
+    OutputShift shift;  // a decode split writes its partial result
     const auto take_next = [&]() {
       out_si = si;
       out_b = tile.b;
+      if constexpr (T::kDecode) {
+        shift.out = tile.split * desc.decode.out_split_step;
+        shift.lse = tile.split * desc.decode.lse_split_step;
+      }
       return take_tile(t + 1);
     };
     if (count > 0) {
@@ -386,7 +397,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
                                                 : st.v + (last % kStages) * kBlockN * kHeadDim);
       }
       store_output<kHeadDim>(o_rc, co_rc, lse, stage, a, desc.tma_out ? &desc.o : nullptr, out_si, out_b, head,
-                             q_begin, ltid, wg_barrier);
+                             q_begin, tile_rows, shift, ltid, wg_barrier);
     }
     if (count > 0) {
       cutlass::arch::fence_view_async_shared();  // the staging accesses before the next bulk copies
@@ -424,20 +435,6 @@ struct PairLaunch {
   }
 };
 
-constexpr int kMaxDevices = 64;  // devices whose answers below are kept (others query at each launch)
-
-// Multiprocessors of `device`, queried once per device (every launch needs it; issue 14.3); 0 if
-// the query failed (its error is left for the caller's cudaGetLastError).
-inline int multiprocessors(int device) {
-  static std::atomic<int> known[kMaxDevices] = {};
-  if (device < kMaxDevices && known[device].load(std::memory_order_relaxed) > 0)
-    return known[device].load(std::memory_order_relaxed);
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
-  if (device < kMaxDevices) known[device].store(sms, std::memory_order_relaxed);
-  return sms;
-}
-
 // CTA pairs of kernel T that fit on `device` at once (both mask policies use the same resources).
 // Items are assigned statically per cluster, and a cluster waiting for a free pair of
 // multiprocessors would run its whole share after the others, so the grid holds this many. A
@@ -461,9 +458,11 @@ int resident_pairs(int device, int sms) {
 // many pairs fit (plan time, outside any graph capture).
 // A pair-multicast kernel needs TMA: where the tensors cannot be mapped it returns
 // cudaErrorNotSupported and launches nothing (the caller takes the single-CTA kernel).
+// A decode kernel (T::kDecode) takes its shape from `decode` (decode.cuh); with splits, `a` must
+// point O and LSE at the fp32 partial results.
 template <class T, bool kProxy = false>
 cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& extents, const int* overflow,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, const DecodeGeometry& decode = DecodeGeometry{}) {
   using C = WsConfig<T>;
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess || (sms = multiprocessors(device)) == 0) return cudaGetLastError();
@@ -477,9 +476,10 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
   }
   auto kernel = a->route.doc_q || a->route.kv_valid ? forward_kernel_ws<T, true, kProxy>
                                                     : forward_kernel_ws<T, false, kProxy>;
-  const int items = work_items(*a, T::kItemHeads);
+  const int items = T::kDecode ? work_items(*a, decode.packed_heads, decode.kv_splits) : work_items(*a, T::kItemHeads);
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};
+  desc.decode = decode;
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
   desc.tma = !no_tma && encode_maps<T>(*a, extents, desc) ? 1 : 0;
   // Persistent: one CTA per multiprocessor (the kernel's shared memory allows no second one).

@@ -18,6 +18,7 @@ struct RouteMask {
   unsigned rows;    // route unit bits
   unsigned masked;
   int unit_m;
+  int token_mask = 63;  // row r is token r & token_mask (a decode tile packs heads: decode.cuh)
 
   // Row r of this warpgroup's tile: its query, whether its unit takes the route inside the
   // sequence, and whether the unit needs the token mask.
@@ -26,6 +27,7 @@ struct RouteMask {
     bool takes, partial;
   };
   __device__ __forceinline__ Row row(int r, const route::SeqInfo& si) const {
+    r &= token_mask;
     const int q = q_begin + r;
     const int unit = (tile_row0 + r) / unit_m;
     return {q, ((rows >> unit) & 1u) && q < si.seqlen_q, ((masked >> unit) & 1u) != 0};

@@ -7,6 +7,7 @@
 
 #include "bsattn/attention_params.hpp"
 #include "gpu/attention.hpp"
+#include "gpu/fwd/decode.cuh"
 #include "gpu/fwd/scheduler.cuh"
 #include "gpu/fwd/tensor_map_memo.hpp"
 #include "gpu/fwd/traits.cuh"
@@ -79,10 +80,12 @@ struct PagedRows {
 // (per-token addressing); `tma_out` 0: no map of O (a 4-byte output type, or one TMA cannot
 // address), the epilogue copies with its threads. Paged: the K/V maps copy boxes of
 // `page_box_rows` tokens (each inside one page); `kv_pages` is the first page id past the cache.
+// A decode kernel's Q and O boxes are {64, T tokens, P heads} (decode.cuh).
 struct LaunchDescriptors {
   CUtensorMap q, k, v, o;
   int tma, tma_out;
   int page_box_rows, kv_pages;
+  DecodeGeometry decode;
 };
 
 __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1,
@@ -330,6 +333,7 @@ __device__ __forceinline__ void load_q(const Tile& tile, int parity, bool tma, c
     if (tile.count > 0) {
       const int head = warpgroup_head<T>(tile, wg, pair_rank);
       const int row0 = tile.q0 + warpgroup_row0<T>(wg);
+      const TileRows<T::kDecode> rows{desc.decode.tokens_log2};
       constexpr int kChunks = kHeadDim / 8, kRowsPerStep = 32 / kChunks;
       static_assert(kChunks <= 32 && 32 % kChunks == 0, "a warp covers whole rows");
       const Element* q = static_cast<const Element*>(a.q);
@@ -337,8 +341,9 @@ __device__ __forceinline__ void load_q(const Tile& tile, int parity, bool tma, c
       Tensor sQ = make_tensor(make_smem_ptr(st.q[wg]), typename T::SmemLayoutQ{});
 #pragma unroll 2
       for (int r = lane / kChunks; r < 64; r += kRowsPerStep) {
-        const bool valid = row0 + r < tile.si.seqlen_q;
-        cp_async_16(&sQ(r, d), valid ? q + a.q_offset(tile.b, tile.si, row0 + r, head) + d : q, valid);
+        const int token = row0 + rows.token(r);
+        const bool valid = token < tile.si.seqlen_q;
+        cp_async_16(&sQ(r, d), valid ? q + a.q_offset(tile.b, tile.si, token, head + rows.head(r)) + d : q, valid);
       }
     }
     cp_async_arrive_noinc(&bars.full_q[wg]);
@@ -358,9 +363,10 @@ bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDe
   if (!encode) return false;
   const std::int64_t e = sizeof(typename T::Element);
   // A 4-D map (D, tokens, heads, batches; varlen: one batch of all tokens; paged: the pages) with
-  // boxes of 64 x rows.
+  // boxes of 64 x rows x box_heads.
   const auto one = [&](const void* base, std::int64_t bs, std::int64_t ts, std::int64_t hs, bool varlen,
-                       std::int64_t tokens, int heads, std::int64_t batches, int rows, CUtensorMap& map) {
+                       std::int64_t tokens, int heads, std::int64_t batches, int rows, CUtensorMap& map,
+                       int box_heads = 1) {
     cuuint64_t dims[4] = {static_cast<cuuint64_t>(T::kHeadDim), static_cast<cuuint64_t>(tokens),
                           static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(varlen ? 1 : batches)};
     cuuint64_t strides[3] = {static_cast<cuuint64_t>(ts * e), static_cast<cuuint64_t>(hs * e),
@@ -368,7 +374,7 @@ bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDe
     if (reinterpret_cast<std::uintptr_t>(base) % 16 || strides[0] % 16 || strides[1] % 16 || strides[2] % 16 ||
         strides[2] == 0 || dims[1] == 0 || dims[1] > (std::uint64_t(1) << 31))
       return false;
-    cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), 1, 1};
+    cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), static_cast<cuuint32_t>(box_heads), 1};
     cuuint32_t estr[4] = {1, 1, 1, 1};
     return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box, estr,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -388,11 +394,13 @@ bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDe
     maps.page_box_rows = kv_rows;
     maps.kv_pages = static_cast<int>(extents.kv_pages);
   }
+  // Q and O boxes: 64 rows of one head, or a decode tile's T tokens of P heads.
+  const int q_heads = maps.decode.packed_heads, q_rows = 64 / q_heads;
   maps.tma_out = a.out_type != ElementType::f32 && one(a.out, a.out_batch_stride, a.out_token_stride,
                                                        a.out_head_stride, p.varlen_q, extents.q, p.heads_q, p.batch,
-                                                       64, maps.o);
-  return one(a.q, a.q_batch_stride, a.q_token_stride, a.q_head_stride, p.varlen_q, extents.q, p.heads_q, p.batch, 64,
-             maps.q) &&
+                                                       q_rows, maps.o, q_heads);
+  return one(a.q, a.q_batch_stride, a.q_token_stride, a.q_head_stride, p.varlen_q, extents.q, p.heads_q, p.batch,
+             q_rows, maps.q, q_heads) &&
          one(a.k, a.k_batch_stride, a.k_token_stride, a.k_head_stride, p.varlen_kv, extents.kv, p.heads_kv,
              kv_batches, kv_rows, maps.k) &&
          one(a.v, a.v_batch_stride, a.v_token_stride, a.v_head_stride, p.varlen_kv, extents.kv, p.heads_kv,

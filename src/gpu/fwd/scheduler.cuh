@@ -14,8 +14,10 @@
 
 namespace bsattn::gpu::fwd {
 
-__host__ __device__ __forceinline__ int work_items(const AttentionParams& a, int heads_per_tile) {
-  return a.route_rows * (a.route.heads_q / a.route.sparsity_heads / heads_per_tile);
+// `splits`: work items per (route row, head group), each taking a share of the row's routes (the
+// decode kernel's split-KV; 1 elsewhere).
+__host__ __device__ __forceinline__ int work_items(const AttentionParams& a, int heads_per_tile, int splits = 1) {
+  return a.route_rows * (a.route.heads_q / a.route.sparsity_heads / heads_per_tile) * splits;
 }
 
 // GQA packing applies when consecutive query-head pairs share both their sparsity head (same
@@ -37,6 +39,7 @@ struct Tile {
   int first;  // pipeline position of the first route: routes of this CTA's earlier tiles
   int exact;  // exact routes (the proxy records follow them in the row)
   int proxies;  // proxy records, gathered kBlockN to a pipeline step (proxy kernels; else 0)
+  int split;    // share of the row's routes (decode split-KV; else 0)
   route::SeqInfo si;
   const route::Route* routes;
 };
@@ -58,17 +61,21 @@ __host__ __device__ __forceinline__ int warpgroup_head(const Tile& tile, int wg,
 // pipeline position are kept in the slot for the same reason (registers held across the
 // producer's tile loop spilled). `proxy_columns`: columns of a proxy step (the kernel's kBlockN),
 // 0 in a kernel without proxy compensation.
+// `splits` > 1 (decode): the splits of one (row, head group) are adjacent items; split s takes
+// routes [s * ceil(n / splits), +ceil(n / splits)) of the row's n, possibly none.
 __device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, int heads_per_tile, int first,
-                                            Tile& t, int proxy_columns = 0) {
+                                            Tile& t, int proxy_columns = 0, int splits = 1) {
   const route::RouteParams& p = a.route;
   const int group = p.heads_q / p.sparsity_heads;
   const int per_row = group / heads_per_tile;
-  const int row = a.row_order[item / per_row];
+  const int split = item % splits, unit = item / splits;
+  const int row = a.row_order[unit / per_row];
   t.item = item;
   t.row = row;
+  t.split = split;
   t.routes = a.routes + static_cast<std::int64_t>(row) * p.capacity;
   const route::RowCoordinates rc = route::row_coordinates(p, row);
-  const int head = rc.hs * group + (item % per_row) * heads_per_tile;
+  const int head = rc.hs * group + (unit % per_row) * heads_per_tile;
   t.head = head;
   t.hkv = head / (p.heads_q / p.heads_kv);
   t.b = rc.b;
@@ -76,7 +83,12 @@ __device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, 
   t.q0 = q0;
   const route::SeqInfo si = route::seq_info(p, rc.b);
   t.si = si;
-  const int records = q0 < si.seqlen_q ? a.route_counts[row] : 0;
+  int records = q0 < si.seqlen_q ? a.route_counts[row] : 0;
+  if (splits > 1) {  // no proxy records in a decode kernel
+    const int share = (records + splits - 1) / splits, begin = min(records, split * share);
+    t.routes += begin;
+    records = min(records - begin, share);
+  }
   const int proxies = proxy_columns > 0 && records > 0 ? a.route_proxy_counts[row] : 0;
   t.exact = records - proxies;
   t.proxies = proxies;

@@ -10,14 +10,18 @@ namespace bsattn::gpu::fwd {
 // kPairMulticast (128-row tiles): a cluster of two CTAs takes a query-head pair of one KV group
 // on the same route row; each CTA's producer loads half of every K/V tile and multicasts it to
 // both, halving the L2 traffic per FLOP.
+// kDecode (decode.cuh): one warpgroup whose 64 rows are the query heads of one KV group times
+// 64 / heads tokens, and work items that split a route row's KV routes (split-KV).
 template <class Element_, int kHeadDim_, int kWarpgroups_, int kBlockN_, int kHeadsPerTile_ = 1, int kStages_ = 2,
-          bool kPairMulticast_ = false>
+          bool kPairMulticast_ = false, bool kDecode_ = false>
 struct Traits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kWarpgroups = kWarpgroups_;
   static constexpr int kHeadsPerTile = kHeadsPerTile_;
   static constexpr bool kPairMulticast = kPairMulticast_;
+  static constexpr bool kDecode = kDecode_;
+  static_assert(!kDecode || (kWarpgroups == 1 && kHeadsPerTile == 1 && !kPairMulticast), "decode: one warpgroup");
   static constexpr int kItemHeads = kPairMulticast ? 2 : kHeadsPerTile;  // query heads per work item
   static constexpr int kBlockM = 64 * kWarpgroups / kHeadsPerTile;  // query rows of the route tile
   static_assert(kHeadsPerTile == 1 || kHeadsPerTile == kWarpgroups, "packing: one head per warpgroup");

@@ -1,0 +1,206 @@
+// The decode kernel (issue 12.2; src/gpu/fwd/decode.cuh): a few queries per sequence, the query
+// heads of a KV group packed into a tile's rows, split-KV merged on the device. Random cases
+// against the CPU engine on the same inputs: every format, the built-in masks (causal aligned
+// bottom-right over several queries), KV groups of 1 to 8, sparsity per query head (no packing),
+// per KV head and shared, batched and varlen Q, contiguous and paged K/V, f16 / bf16 / f32 outputs,
+// D 64 / 128 / 256. The plan's choice (heads per tile, splits) is asserted, so a case that fell
+// back to the prefill kernels fails rather than passing on the wrong kernel.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gpu_compare.hpp"
+#include "gpu_paged.hpp"
+
+namespace bsattn_gpu_test {
+namespace {
+
+// The heads per tile plan() should pick (0: the prefill kernels).
+int expected_packed_heads(const Problem& p) {
+  const int group = p.heads_q / p.heads_kv;
+  const int per_sparsity_head = p.heads_q / (p.format == Format::all_blocks ? 1 : p.sparsity_heads);
+  int heads = 1;
+  while (heads < 4 && group % (2 * heads) == 0 && per_sparsity_head % (2 * heads) == 0) heads *= 2;
+  return p.max_seqlen_q <= 64 / heads ? heads : 0;
+}
+
+int multiprocessors() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  return sms;
+}
+
+// The plan took the decode kernel with the expected packing, and split the KV routes whenever the
+// work items (sequences x head groups) leave multiprocessors idle and the rows are long enough.
+void expect_decode_plan(const Plan& plan) {
+  const Problem& p = plan.problem();
+  const TileShape& t = plan.tiles();
+  const int heads = expected_packed_heads(p);
+  ASSERT_GT(heads, 0) << "not a decode shape";
+  EXPECT_EQ(t.packed_heads, heads);
+  EXPECT_EQ(t.tile_m, 64 / heads);
+  const int items = p.batch * (p.heads_q / heads);
+  const int routes = (p.max_seqlen_kv + p.block.kv - 1) / p.block.kv * t.kv_split;
+  if (p.q_layout == QLayout::batched && items * 2 <= multiprocessors() && routes >= 8) EXPECT_GT(t.kv_splits, 1);
+  if (p.q_layout == QLayout::varlen) EXPECT_EQ(t.kv_splits, 1);
+}
+
+void run_gpu(Case& c) {
+  Plan plan(c.problem);
+  expect_decode_plan(plan);
+  plan.run(c.in_device, c.out_device, nullptr);
+  plan.check(nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+}
+
+struct DecodeSweep {
+  Format format;
+  bool varlen;
+  int hq, hkv;
+  int max_q;  // queries per sequence, at most
+  int page_size;  // 0: contiguous K/V
+};
+
+TEST(GpuDecode, EveryFormatGroupAndLayout) {
+  REQUIRE_SM90();
+  const DecodeSweep sweeps[] = {
+      {Format::all_blocks, false, 8, 2, 1, 0},          {Format::block_lists, false, 8, 2, 4, 0},
+      {Format::bsr, false, 16, 2, 8, 0},                {Format::bitmask, false, 8, 4, 16, 0},
+      {Format::block_lists, false, 4, 4, 33, 0},        {Format::all_blocks, false, 32, 8, 1, 64},
+      {Format::bitmask, false, 8, 2, 4, 16},            {Format::block_lists, true, 8, 2, 3, 0},
+      {Format::varlen_block_lists, true, 8, 2, 2, 0},   {Format::bsr, true, 4, 4, 40, 0},
+      {Format::bitmask, true, 8, 1, 1, 32},             {Format::all_blocks, true, 6, 2, 5, 0},
+  };
+  std::mt19937_64 rng(71);
+  std::uint64_t seed = 7100;
+  for (const DecodeSweep& s : sweeps)
+    for (int rep = 0; rep < 3; ++rep) {  // bf16 D 128; f16 D 64 blocks of 64 (f32 out); bf16 D 256
+      CaseSpec spec;
+      spec.format = s.format;
+      spec.varlen = s.varlen;
+      spec.hq = s.hq;
+      spec.hkv = s.hkv;
+      spec.max_seqlen_q = s.max_q;
+      spec.max_seqlen = 2600;
+      spec.batch = rep == 0 && !s.varlen ? 1 : 0;  // one sequence: split-KV
+      spec.seed = seed++;
+      spec.mask = std::uniform_int_distribution<int>(0, 5)(rng);
+      if (s.page_size > 0 && spec.mask == 4) spec.mask = 1;  // document ids of a paged cache: not drawn here
+      spec.dtype = rep == 1 ? DType::f16 : DType::bf16;
+      spec.out_f32 = rep == 1;
+      spec.head_dim = rep == 0 ? 128 : rep == 1 ? 64 : 256;
+      if (rep == 1) spec.bq = spec.bk = 64;
+      if (rep == 2) spec.bk = 64;  // the D = 256 kernels take KV tiles of 64
+      auto c = make_case(spec);
+      if (s.page_size > 0) page_kv(*c, s.page_size, rng);
+      SCOPED_TRACE(c->name + " hq " + std::to_string(s.hq) + " hkv " + std::to_string(s.hkv) + " page " +
+                   std::to_string(s.page_size));
+      if (expected_packed_heads(c->problem) == 0) {  // e.g. 33 queries of a group of 2: prefill kernels
+        Plan plan(c->problem);
+        EXPECT_EQ(plan.tiles().packed_heads, 0);
+        continue;
+      }
+      c->poison_outputs();
+      run_gpu(*c);
+      expect_close(*c, download(*c), run_cpu(*c));
+    }
+}
+
+// Clears about half of the set bits of a bitmask set (a subset stays a valid pattern), on the host
+// and at the same device address.
+void thin_bitmask(const TensorView& host, const TensorView& device, std::mt19937_64& rng) {
+  std::int64_t words = 1;
+  for (int i = 0; i < host.rank; ++i) words *= host.shape[i];
+  auto* bits = static_cast<std::uint32_t*>(host.data);
+  for (std::int64_t i = 0; i < words; ++i) bits[i] &= static_cast<std::uint32_t>(rng());
+  CUDA_OK(cudaMemcpy(device.data, bits, words * 4, cudaMemcpyHostToDevice));
+}
+
+// A captured split-KV decode step replayed after new values were written at the same addresses:
+// shorter sequences (seq_lens_kv), pages moved (block_table, caches) and fewer selected blocks
+// (bitmask). The replay must equal an eager run on the new values and the CPU engine.
+TEST(GpuDecode, GraphReplayWithNewLengthsTablesAndBlocks) {
+  REQUIRE_SM90();
+  CaseSpec spec;
+  spec.format = Format::bitmask;
+  spec.hq = 8;
+  spec.hkv = 2;
+  spec.sparsity_heads = 2;
+  spec.batch = 2;
+  spec.max_seqlen_q = 4;
+  spec.max_seqlen = 3000;
+  spec.bq = spec.bk = 64;
+  spec.density = 0.7;
+  spec.mask = 1;  // causal, bottom-right unless drawn top-left: a shorter KV sequence moves the diagonal
+  spec.seed = 9191;
+  auto c = make_case(spec);
+  std::mt19937_64 rng(17);
+  constexpr int kPage = 32;
+  const PagedBuffers pb = page_kv(*c, kPage, rng);
+  SCOPED_TRACE(c->name);
+
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Plan plan(c->problem);
+  expect_decode_plan(plan);
+  EXPECT_GT(plan.tiles().kv_splits, 1);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  plan.run(c->in_device, c->out_device, stream);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  c->poison_outputs();
+  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const Result before = download(*c);
+  expect_close(*c, before, run_cpu(*c));
+
+  const Problem& p = c->problem;
+  const std::int64_t page_elems = static_cast<std::int64_t>(kPage) * p.heads_kv * p.head_dim;
+  std::vector<int> perm(p.num_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<std::int32_t> table(pb.table->as<std::int32_t>(), pb.table->as<std::int32_t>() + p.batch * pb.row_stride);
+  std::vector<unsigned char> k_old = pb.k_cache->host, v_old = pb.v_cache->host;
+  std::fill(pb.k_cache->host.begin(), pb.k_cache->host.end(), 0xff);
+  std::fill(pb.v_cache->host.begin(), pb.v_cache->host.end(), 0xff);
+  std::fill(pb.table->as<std::int32_t>(), pb.table->as<std::int32_t>() + p.batch * pb.row_stride, 1 << 30);
+  int next = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const int len = pb.lens->as<std::int32_t>()[b];
+    const int kept = std::uniform_int_distribution<int>(len / 2, len)(rng);
+    pb.lens->as<std::int32_t>()[b] = kept;
+    for (int i = 0; i < (kept + kPage - 1) / kPage; ++i) {
+      const int from = table[b * pb.row_stride + i], to = perm[next++];
+      pb.table->as<std::int32_t>()[b * pb.row_stride + i] = to;
+      for (auto [dst, src] : {std::pair{pb.k_cache, &k_old}, std::pair{pb.v_cache, &v_old}})
+        std::copy_n(src->data() + from * page_elems * 2, page_elems * 2, dst->host.data() + to * page_elems * 2);
+    }
+  }
+  for (Buffer* buf : {pb.table, pb.lens, pb.k_cache, pb.v_cache}) buf->upload();  // same addresses
+  thin_bitmask(c->in_host.partial.bits, c->in_device.partial.bits, rng);
+  if (p.has_full) thin_bitmask(c->in_host.full.bits, c->in_device.full.bits, rng);
+
+  c->poison_outputs();
+  CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const Result replay = download(*c);
+  c->poison_outputs();
+  plan.run(c->in_device, c->out_device, stream);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const Result eager = download(*c);
+  EXPECT_EQ(replay.out, eager.out);
+  EXPECT_EQ(0, std::memcmp(replay.lse.data(), eager.lse.data(), replay.lse.size() * 4));
+  EXPECT_NE(before.lse, replay.lse);  // the new values mattered
+  expect_close(*c, replay, run_cpu(*c));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace bsattn_gpu_test
