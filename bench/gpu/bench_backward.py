@@ -327,14 +327,14 @@ def table(rows, cases, fa4_note):
              "|" + " --- |" * 12]
     for r in rows:
         c = cases.get(r.name)
-        if c is None or "bsattn" not in r.res:
+        if c is None:
             lines.append(f"| {r.name} | {r.D} | — | — | — | — | — | — | — | — | — | {'; '.join(r.notes) or '—'} |")
             continue
         flops = 2.5 * 4.0 * r.D * c.pairs()
-        ms = r.res["bsattn"][0]
-        tf = flops / ms / 1e12 * 1e3
-        ratio = f"{ms / dense.res['bsattn'][0]:.3f}" if r.kind == "random" and r.D == 128 and dense else "—"
-        sp = [f"{r.res[k][0] / ms:.2f}x" if k in r.res else "—" for k in ("flex", "fa4")]
+        ms = r.res.get("bsattn", (None,))[0]
+        tf = f"{flops / ms / 1e9:.0f}" if ms else "—"
+        ratio = f"{ms / dense.res['bsattn'][0]:.3f}" if ms and r.kind == "random" and r.D == 128 and dense else "—"
+        sp = [f"{r.res[k][0] / ms:.2f}x" if ms and k in r.res else "—" for k in ("flex", "fa4")]
         if r.kind == "causal":
             tgt = ">= 0.95x FA4 causal"
         elif r.name == "rand0.25":
@@ -345,7 +345,7 @@ def table(rows, cases, fa4_note):
             tgt = "measured"
         errs = "; ".join("/".join(f"{e:.0e}" for e in r.res[k][1]) if k in r.res else "—"
                          for k in ("bsattn", "flex", "fa4"))
-        lines.append(f"| {r.name} | {r.D} | {ms:.3f} | {tf:.0f} | {ratio} | {fmt_peer(r, 'flex', flops)} "
+        lines.append(f"| {r.name} | {r.D} | {f'{ms:.3f}' if ms else '—'} | {tf} | {ratio} | {fmt_peer(r, 'flex', flops)} "
                      f"| {fmt_peer(r, 'fa4', flops)} | {sp[0]} | {sp[1]} | {tgt} | {errs} | {'; '.join(r.notes) or '—'} |")
     if fa4_note:
         lines.append(f"\nFlashAttention-4 not importable ({fa4_note}): its columns are empty.")

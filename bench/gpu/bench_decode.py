@@ -333,7 +333,9 @@ def fmt_tbs(r, key, nbytes):
 def table(rows, fa4_note):
     byk = {r.key: r for r in rows}
     lines = [benchlib.header(f"bf16, Hq {HQ} / Hkv {HKV}, D {D}, KV blocks {BK}; median of {ARGS.iters} CUDA-event "
-                             f"timings, GPU queue filled {ARGS.queue_us:.0f} us ahead"), "",
+                             f"timings, " + (f"GPU queue filled {ARGS.queue_us:.0f} us ahead" if ARGS.queue_us > 0 and
+                                             benchlib.queue_ahead_available() else
+                                             "no queue-ahead (events include host launch time)")), "",
              "| row | bsattn us | bsattn TB/s | FA4 us | FA4 TB/s | Flex us | Flex TB/s | paged / contiguous: bsattn; FA4 "
              "| target | bsattn vs target (>= 1 meets) | rel err vs float32: bsattn / FA4 / Flex | notes |",
              "|" + " --- |" * 12]

@@ -99,6 +99,11 @@ class Plan:
 _SLEEP = {}
 
 
+def queue_ahead_available():
+    """Whether timed(..., queue_us > 0) can fill the GPU queue ahead (torch.cuda._sleep exists)."""
+    return hasattr(torch.cuda, "_sleep")
+
+
 def _cycles_per_us():
     """GPU clock cycles per microsecond, measured once with torch.cuda._sleep (None if absent)."""
     if "c" not in _SLEEP:
