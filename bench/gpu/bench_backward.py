@@ -30,7 +30,7 @@ once the run is that many seconds old; bsattn runs every row first, then the pee
 
   python3 bench/gpu/bench_backward.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--out backward.md]
       [--rows causal,rand0.1,rand0.25,rand0.5,rand1.0,d64,d256] [--peers all|none|fa4|flex]
-      [--heads kv|q|1] [--iters 20] [--budget 60] [--deterministic]
+      [--heads kv|q|1] [--iters 20] [--budget 50] [--deterministic]
 """
 import argparse
 import math
@@ -53,7 +53,7 @@ P.add_argument("--peers", default="all", choices=["all", "none", "fa4", "flex"])
 P.add_argument("--heads", default="kv", choices=["kv", "q", "1"], help="random patterns per KV head, query head, or one")
 P.add_argument("--seqlen", type=int, default=16384)
 P.add_argument("--iters", type=int, default=20)
-P.add_argument("--budget", type=float, default=60.0, help="seconds after which no peer is started (0: no limit)")
+P.add_argument("--budget", type=float, default=50.0, help="seconds after which no peer is started (0: no limit)")
 P.add_argument("--deterministic", action="store_true", help="bsattn's deterministic backward")
 P.add_argument("--skip-small-check", action="store_true")
 P.add_argument("--out", default="")

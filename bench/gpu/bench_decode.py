@@ -37,7 +37,7 @@ started once the run is that many seconds old (bsattn rows always run): bsattn o
 first, then the peers by priority (a, b, c, e, f, then the paged rows).
 
   python3 bench/gpu/bench_decode.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--out decode.md]
-      [--rows a,b,c,d,e,f] [--peers all|none|fa4|flex] [--iters 20] [--budget 60] [--queue-us 1000]
+      [--rows a,b,c,d,e,f] [--peers all|none|fa4|flex] [--iters 20] [--budget 50] [--queue-us 1000]
 """
 import argparse
 import math
@@ -57,7 +57,7 @@ P.add_argument("--lib", required=True)
 P.add_argument("--rows", default="a,b,c,d,e,f", help="comma list of a,b,c,d,e,f (d implies the contiguous a, b)")
 P.add_argument("--peers", default="all", choices=["all", "none", "fa4", "flex"])
 P.add_argument("--iters", type=int, default=20)
-P.add_argument("--budget", type=float, default=60.0, help="seconds after which no peer is started (0: no limit)")
+P.add_argument("--budget", type=float, default=50.0, help="seconds after which no peer is started (0: no limit)")
 P.add_argument("--queue-us", type=float, default=1000.0, help="GPU sleep before each timed call (0: none)")
 P.add_argument("--out", default="")
 ARGS = P.parse_args()
