@@ -1,27 +1,103 @@
 #include "gpu/prepare_routes.hpp"
 
 #include <cub/block/block_scan.cuh>
+#include <type_traits>
 
 #include "bsattn/route/prepare.hpp"
+
+// tests/gpu/emulation runs the kernels' logic on the host.
+#if defined(BSATTN_GPU_HOST_EMULATION)
+#define BSATTN_LAUNCH(kernel, blocks, threads, stream, ...) emulate_launch(kernel, dim3(blocks), threads, 0, __VA_ARGS__)
+#else
+#define BSATTN_LAUNCH(kernel, blocks, threads, stream, ...) kernel<<<blocks, threads, 0, stream>>>(__VA_ARGS__)
+#endif
 
 namespace bsattn::gpu {
 namespace {
 
+// Rows without proxy routes: a thread per row, prepare_row as on the CPU.
+template <int kUnits>
 __global__ void prepare_routes_kernel(const route::RouteParams p, int rows, route::Route* routes,
-                                      std::int32_t* counts, std::int32_t* proxy_counts, std::int32_t* overflow) {
+                                      std::int32_t* counts, std::int32_t* overflow) {
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
   if (row >= rows) return;
-  route::Route* out = routes + static_cast<std::int64_t>(row) * p.capacity;
-  const int needed = route::prepare_row(p, row, out);
-  const int count = needed < p.capacity ? needed : p.capacity;
-  counts[row] = count;
-  if (proxy_counts) {  // the proxy records close the row (prepare_row emits them last)
-    int proxies = 0;
-    while (proxies < count && out[count - 1 - proxies].kind == static_cast<std::uint8_t>(route::RouteKind::proxy))
-      ++proxies;
-    proxy_counts[row] = proxies;
-  }
+  const int needed = route::prepare_row<route::NoCustomMask, kUnits>(p, row, routes + static_cast<std::int64_t>(row) * p.capacity);
+  counts[row] = needed < p.capacity ? needed : p.capacity;
   if (needed > p.capacity && atomicCAS(overflow, 0, row + 1) == 0) overflow[1] = needed;
+}
+
+// Sum of v over the lanes below this one; *total: over the warp.
+__device__ __forceinline__ int warp_exclusive_sum(int v, int lane, int* total) {
+  int x = v;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, d);
+    if (lane >= d) x += y;
+  }
+  *total = __shfl_sync(0xffffffffu, x, 31);
+  return x - v;
+}
+
+// Rows with proxy routes: a warp per row, lane i classifying block c0 + i of each 32-block chunk
+// (prepare_row's steps, records placed by warp prefix sums in prepare_row's order). A thread per
+// row walked every KV block of the row serially (nKB x rows steps: 512 x 20480 at S = 32768 and
+// blocks of 64). The lanes advance identical cursors (the same loads, broadcast).
+constexpr int kProxyRowThreads = 128;
+
+template <int kUnits>
+__global__ void __launch_bounds__(kProxyRowThreads)
+    prepare_proxy_routes_kernel(const route::RouteParams p, int rows, route::Route* routes, std::int32_t* counts,
+                                std::int32_t* proxy_counts, std::int32_t* overflow) {
+  const int row = blockIdx.x * (kProxyRowThreads / 32) + static_cast<int>(threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;  // the whole warp
+  route::Route* out = routes + static_cast<std::int64_t>(row) * p.capacity;
+  route::RowState<kUnits> r;
+  int count = 0, exact = 0;
+  if (route::open_row(p, row, r)) {
+    route::ChunkWords<kUnits> w;
+    for (int c0 = 0; c0 < r.s.kv_blocks; c0 += 32) {
+      route::take_chunk(p, r, c0, w);
+      if (!w.selected) continue;
+      const bool selected = (w.selected >> lane) & 1u;
+      int n = 0;  // this lane's records: counted, then written after the lanes below it
+      if (selected) route::exact_routes(p, r, w, c0, lane, [&](int, unsigned, unsigned) { ++n; });
+      int total;
+      int at = count + warp_exclusive_sum(n, lane, &total);
+      if (selected)
+        route::exact_routes(p, r, w, c0, lane, [&](int index, unsigned units, unsigned masked) {
+          route::put_route(out, p.capacity, at++, index, route::RouteKind::exact, units, masked);
+        });
+      count += total;
+    }
+    exact = count;
+    route::open_cursors(p, r);
+    for (int c0 = 0; c0 < r.s.kv_blocks; c0 += 32) {
+      route::take_chunk(p, r, c0, w);
+      const unsigned units =
+          c0 + lane < r.s.kv_blocks ? route::proxy_units(p, r, w, c0, lane, route::NoCustomMask()) : 0u;
+      const unsigned ballot = __ballot_sync(0xffffffffu, units != 0);
+      if (units)
+        route::put_route(out, p.capacity, count + __popc(ballot & ((1u << lane) - 1u)), c0 + lane,
+                         route::RouteKind::proxy, units, 0);
+      count += __popc(ballot);
+    }
+  }
+  if (lane != 0) return;
+  const int stored = count < p.capacity ? count : p.capacity;
+  counts[row] = stored;
+  if (proxy_counts) proxy_counts[row] = stored - (exact < p.capacity ? exact : p.capacity);  // the row's last records
+  if (count > p.capacity && atomicCAS(overflow, 0, row + 1) == 0) overflow[1] = count;
+}
+
+// f(std::integral_constant<int, kUnits>) with kUnits >= tile_m / unit_m (1, 2, 4 or 8).
+template <class F>
+cudaError_t with_units(const route::RouteParams& p, const F& f) {
+  switch (p.tile_m / p.unit_m) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: return f(std::integral_constant<int, route::kMaxUnitsPerTile>{});
+  }
 }
 
 __global__ void derive_offsets_kernel(const route::RouteParams p, std::int32_t* cu_m, std::int32_t* cu_idx) {
@@ -58,22 +134,32 @@ __global__ void __launch_bounds__(kOrderThreads) order_rows_kernel(const std::in
 cudaError_t order_rows_longest_first(const std::int32_t* counts, int rows, std::int32_t* order,
                                      cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  order_rows_kernel<<<1, kOrderThreads, 0, stream>>>(counts, rows, order);
+  BSATTN_LAUNCH(order_rows_kernel, 1, kOrderThreads, stream, counts, rows, order);
   return cudaGetLastError();
 }
 
 cudaError_t prepare_routes(const AttentionParams& a, route::Route* routes, std::int32_t* counts,
                            std::int32_t* overflow, cudaStream_t stream, std::int32_t* proxy_counts) {
-  if (a.route_rows == 0) return cudaSuccess;
-  constexpr int kThreads = 128;
-  prepare_routes_kernel<<<(a.route_rows + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      a.route, a.route_rows, routes, counts, proxy_counts, overflow);
-  return cudaGetLastError();
+  const int rows = a.route_rows;
+  if (rows == 0) return cudaSuccess;
+  return with_units(a.route, [&](auto units) {
+    constexpr int kUnits = decltype(units)::value;
+    if (a.route.proxy_mode != 0) {
+      constexpr int kRowsPerBlock = kProxyRowThreads / 32;
+      BSATTN_LAUNCH(prepare_proxy_routes_kernel<kUnits>, (rows + kRowsPerBlock - 1) / kRowsPerBlock, kProxyRowThreads,
+                    stream, a.route, rows, routes, counts, proxy_counts, overflow);
+    } else {
+      constexpr int kThreads = 128;
+      BSATTN_LAUNCH(prepare_routes_kernel<kUnits>, (rows + kThreads - 1) / kThreads, kThreads, stream, a.route, rows,
+                    routes, counts, overflow);
+    }
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t derive_varlen_block_offsets(const route::RouteParams& p, std::int32_t* cu_m, std::int32_t* cu_idx,
                                         cudaStream_t stream) {
-  derive_offsets_kernel<<<1, 1, 0, stream>>>(p, cu_m, cu_idx);
+  BSATTN_LAUNCH(derive_offsets_kernel, 1, 1, stream, p, cu_m, cu_idx);
   return cudaGetLastError();
 }
 

@@ -106,6 +106,15 @@ class BlockCursor {
     while (current_ < block) advance();
   }
 
+  // The set's blocks in [c0, c0 + 32) as bits (bit i: block c0 + i), leaving the cursor past them.
+  // Chunks are taken in ascending order.
+  BSATTN_HD std::uint32_t take_word(int c0) {
+    skip_to(c0);
+    std::uint32_t word = 0;
+    for (; current_ < c0 + 32; advance()) word |= 1u << (current_ - c0);
+    return word;
+  }
+
  private:
   const std::int32_t* list_ = nullptr;
   std::int64_t list_stride_ = 1;
@@ -116,21 +125,6 @@ class BlockCursor {
   bool all_ = false;
   int kv_blocks_ = 0;
   int current_ = kEnd;
-};
-
-// The selected blocks of one Q unit: partial and full sets merged in ascending order.
-struct UnitSelection {
-  BlockCursor partial, full;
-
-  BSATTN_HD int current() const {
-    return partial.current() < full.current() ? partial.current() : full.current();
-  }
-  // Kind of `block` if it is the current one; a block in both sets counts as full.
-  BSATTN_HD bool is_full(int block) const { return full.current() == block; }
-  BSATTN_HD void skip_past(int block) {
-    partial.skip_to(block + 1);
-    full.skip_to(block + 1);
-  }
 };
 
 // Used when no custom mask is given: the built-in classification is the whole truth.
@@ -151,99 +145,157 @@ BSATTN_HD RowCoordinates row_coordinates(const RouteParams& p, int row) {
   return c;
 }
 
-// Prepares route row `row` into out[0, capacity). Returns the number of routes the row needs;
-// a value above p.capacity means overflow (records past the capacity are not written).
-template <class CustomMask = NoCustomMask>
-BSATTN_HD int prepare_row(const RouteParams& p, int row, Route* out, const CustomMask& custom = CustomMask()) {
-  const RowCoordinates rc = row_coordinates(p, row);
-  const SeqInfo s = seq_info(p, rc.b);
-  const int q0 = rc.q_tile * p.tile_m;
-  if (q0 >= s.seqlen_q) return 0;
-
-  const int units_per_tile = p.tile_m / p.unit_m;
+// One route row being prepared: its Q units (tile_m / unit_m, fewer at the sequence end; at most
+// kUnits) and a cursor per unit over each of its block sets. The row's KV blocks are taken in
+// chunks of 32: a chunk's set membership is a word per unit and set (take_chunk), and every block
+// of the chunk is then classified on its own (exact_routes, proxy_units). prepare_row walks a
+// chunk's blocks in order; the GPU kernel of proxy rows gives each block to a lane of a warp
+// (prepare_routes.cu). Loops over units run to the compile-time kUnits, so that on the GPU the
+// cursors stay in registers rather than in a local-memory array.
+template <int kUnits = kMaxUnitsPerTile>
+struct RowState {
+  static_assert(kUnits >= 1 && kUnits <= kMaxUnitsPerTile, "units per tile");
+  RowCoordinates rc;
+  SeqInfo s;
   int units = 0;
-  UnitSelection sel[kMaxUnitsPerTile];
-  int unit_q0[kMaxUnitsPerTile];
-  for (int u = 0; u < units_per_tile; ++u) {
-    unit_q0[u] = q0 + u * p.unit_m;
-    if (unit_q0[u] >= s.seqlen_q) break;
-    const int qb = unit_q0[u] / p.block_q;
-    sel[u].partial = p.has_partial ? BlockCursor::open(p, p.partial, s, rc.b, rc.hs, qb) : BlockCursor();
-    sel[u].full = p.has_full ? BlockCursor::open(p, p.full, s, rc.b, rc.hs, qb) : BlockCursor();
-    ++units;
-  }
+  int unit_q0[kUnits];
+  BlockCursor partial[kUnits], full[kUnits];
+  BlockCursor listed[kUnits];  // the explicit proxy set (proxy_mode 2)
+};
 
+// Set membership of one chunk's blocks, bit i for block c0 + i.
+template <int kUnits = kMaxUnitsPerTile>
+struct ChunkWords {
+  std::uint32_t partial[kUnits], full[kUnits], listed[kUnits];
+  std::uint32_t selected;  // any unit selects the block (exact routes)
+};
+
+// Opens the cursors of every unit at block 0 (again before the proxy pass).
+template <int kUnits>
+BSATTN_HD void open_cursors(const RouteParams& p, RowState<kUnits>& r) {
+  for (int u = 0; u < kUnits; ++u) {
+    if (u >= r.units) continue;
+    const int qb = r.unit_q0[u] / p.block_q;
+    r.partial[u] = p.has_partial ? BlockCursor::open(p, p.partial, r.s, r.rc.b, r.rc.hs, qb) : BlockCursor();
+    r.full[u] = p.has_full ? BlockCursor::open(p, p.full, r.s, r.rc.b, r.rc.hs, qb) : BlockCursor();
+    if (p.proxy_mode == 2) r.listed[u] = BlockCursor::open(p, p.proxy, r.s, r.rc.b, r.rc.hs, qb);
+  }
+}
+
+// Sets up row `row` (tile_m / unit_m <= kUnits); false for a tile past its sequence's end.
+template <int kUnits>
+BSATTN_HD bool open_row(const RouteParams& p, int row, RowState<kUnits>& r) {
+  r.rc = row_coordinates(p, row);
+  r.s = seq_info(p, r.rc.b);
+  const int q0 = r.rc.q_tile * p.tile_m;
+  if (q0 >= r.s.seqlen_q) return false;
+  r.units = 0;
+  for (int u = 0; u < kUnits; ++u) {
+    r.unit_q0[u] = q0 + u * p.unit_m;
+    if (u == r.units && u < p.tile_m / p.unit_m && r.unit_q0[u] < r.s.seqlen_q) ++r.units;
+  }
+  open_cursors(p, r);
+  return true;
+}
+
+template <int kUnits>
+BSATTN_HD void take_chunk(const RouteParams& p, RowState<kUnits>& r, int c0, ChunkWords<kUnits>& w) {
+  w.selected = 0;
+  for (int u = 0; u < kUnits; ++u) {
+    const bool live = u < r.units;
+    w.partial[u] = live ? r.partial[u].take_word(c0) : 0u;
+    w.full[u] = live ? r.full[u].take_word(c0) : 0u;
+    w.listed[u] = live && p.proxy_mode == 2 ? r.listed[u].take_word(c0) : 0u;
+    w.selected |= w.partial[u] | w.full[u];
+  }
+}
+
+// The exact routes of selected block c0 + i: its KV tiles, each with the units that see any of
+// it (a unit whose full set holds the block takes it unmasked; a partial unit as classified).
+// emit(index, rows, masked) in ascending tile order.
+template <int kUnits, class Emit>
+BSATTN_HD void exact_routes(const RouteParams& p, const RowState<kUnits>& r, const ChunkWords<kUnits>& w, int c0,
+                            int i, const Emit& emit) {
+  unsigned full_units = 0, partial_units = 0;
+  for (int u = 0; u < kUnits; ++u) {
+    if ((w.full[u] >> i) & 1u) full_units |= 1u << u;
+    else if ((w.partial[u] >> i) & 1u) partial_units |= 1u << u;
+  }
+  const int block = c0 + i, split = p.block_kv / p.tile_n;
+  for (int t = 0; t < split; ++t) {
+    const int k0 = block * p.block_kv + t * p.tile_n;
+    if (k0 >= r.s.seqlen_kv) break;
+    unsigned rows = full_units, masked = 0;
+    for (int u = 0; u < kUnits; ++u) {
+      if (!((partial_units >> u) & 1u)) continue;
+      const Visibility v = classify(p, r.s, r.rc.b, r.unit_q0[u], r.unit_q0[u] + p.unit_m, k0, k0 + p.tile_n);
+      if (v == Visibility::empty) continue;
+      rows |= 1u << u;
+      if (v == Visibility::partial) masked |= 1u << u;
+    }
+    if (rows) emit(block * split + t, rows, masked);
+  }
+}
+
+// The units for which block c0 + i is a proxy block (SPEC §6): not selected by the unit (never
+// counted twice) and eligible, per whole Q block, or named by the explicit set.
+template <int kUnits, class CustomMask>
+BSATTN_HD unsigned proxy_units(const RouteParams& p, const RowState<kUnits>& r, const ChunkWords<kUnits>& w, int c0,
+                               int i, const CustomMask& custom) {
+  const int block = c0 + i, k0 = block * p.block_kv, k1 = k0 + p.block_kv;
+  unsigned rows = 0;
+  for (int u = 0; u < kUnits; ++u) {
+    if (u >= r.units || (((w.partial[u] | w.full[u]) >> i) & 1u)) continue;
+    bool eligible;
+    if (p.proxy_mode == 2) {
+      eligible = (w.listed[u] >> i) & 1u;
+    } else {
+      const int qb0 = (r.unit_q0[u] / p.block_q) * p.block_q;
+      eligible = classify_builtin(p, r.s, r.rc.b, qb0, qb0 + p.block_q, k0, k1) == Visibility::full &&
+                 custom.keeps_whole(r.rc.b, r.rc.hs, qb0, qb0 + p.block_q < r.s.seqlen_q ? qb0 + p.block_q : r.s.seqlen_q,
+                                    k0, k1 < r.s.seqlen_kv ? k1 : r.s.seqlen_kv);
+    }
+    if (eligible) rows |= 1u << u;
+  }
+  return rows;
+}
+
+// Record `i` of a row into out[0, capacity) (records past the capacity are counted, not written).
+BSATTN_HD void put_route(Route* out, int capacity, int i, int index, RouteKind kind, unsigned rows, unsigned masked) {
+  if (i >= capacity) return;
+  Route r;
+  r.index = index;
+  r.kind = static_cast<std::uint8_t>(kind);
+  r.rows = static_cast<std::uint8_t>(rows);
+  r.masked = static_cast<std::uint8_t>(masked);
+  r.reserved = 0;
+  out[i] = r;
+}
+
+// Prepares route row `row` into out[0, capacity). Returns the number of routes the row needs;
+// a value above p.capacity means overflow (records past the capacity are not written). Exact
+// routes first (the union over units of their selected blocks, ascending, each split into KV
+// tiles), then the proxy routes (ascending unselected blocks, SPEC §6). kUnits >= tile_m / unit_m.
+template <class CustomMask = NoCustomMask, int kUnits = kMaxUnitsPerTile>
+BSATTN_HD int prepare_row(const RouteParams& p, int row, Route* out, const CustomMask& custom = CustomMask()) {
+  RowState<kUnits> r;
+  if (!open_row(p, row, r)) return 0;
   int count = 0;
-  const auto emit = [&](int index, RouteKind kind, unsigned rows, unsigned masked) {
-    if (count < p.capacity) {
-      Route r;
-      r.index = index;
-      r.kind = static_cast<std::uint8_t>(kind);
-      r.rows = static_cast<std::uint8_t>(rows);
-      r.masked = static_cast<std::uint8_t>(masked);
-      r.reserved = 0;
-      out[count] = r;
-    }
-    ++count;
-  };
-
-  // Exact routes: the union over units of their selected blocks, each split into KV tiles.
-  const int split = p.block_kv / p.tile_n;
-  for (;;) {
-    int block = BlockCursor::kEnd;
-    for (int u = 0; u < units; ++u) block = sel[u].current() < block ? sel[u].current() : block;
-    if (block == BlockCursor::kEnd) break;
-    unsigned full_units = 0, partial_units = 0;
-    for (int u = 0; u < units; ++u) {
-      if (sel[u].current() != block) continue;
-      if (sel[u].is_full(block)) full_units |= 1u << u;
-      else partial_units |= 1u << u;
-      sel[u].skip_past(block);
-    }
-    for (int t = 0; t < split; ++t) {
-      const int k0 = block * p.block_kv + t * p.tile_n;
-      if (k0 >= s.seqlen_kv) break;
-      unsigned rows = full_units, masked = 0;
-      for (int u = 0; u < units; ++u) {
-        if (!((partial_units >> u) & 1u)) continue;
-        const Visibility v = classify(p, s, rc.b, unit_q0[u], unit_q0[u] + p.unit_m, k0, k0 + p.tile_n);
-        if (v == Visibility::empty) continue;
-        rows |= 1u << u;
-        if (v == Visibility::partial) masked |= 1u << u;
-      }
-      if (rows) emit(block * split + t, RouteKind::exact, rows, masked);
-    }
+  ChunkWords<kUnits> w;
+  for (int c0 = 0; c0 < r.s.kv_blocks; c0 += 32) {
+    take_chunk(p, r, c0, w);
+    for (std::uint32_t bits = w.selected; bits; bits &= bits - 1)
+      exact_routes(p, r, w, c0, count_trailing_zeros(bits), [&](int index, unsigned rows, unsigned masked) {
+        put_route(out, p.capacity, count++, index, RouteKind::exact, rows, masked);
+      });
   }
-
-  // Proxy routes: unselected blocks, eligible per whole Q block (SPEC §6), after the exact ones.
   if (p.proxy_mode != 0) {
-    BlockCursor explicit_set[kMaxUnitsPerTile];
-    for (int u = 0; u < units; ++u) {
-      const int qb = unit_q0[u] / p.block_q;
-      sel[u].partial = p.has_partial ? BlockCursor::open(p, p.partial, s, rc.b, rc.hs, qb) : BlockCursor();
-      sel[u].full = p.has_full ? BlockCursor::open(p, p.full, s, rc.b, rc.hs, qb) : BlockCursor();
-      if (p.proxy_mode == 2) explicit_set[u] = BlockCursor::open(p, p.proxy, s, rc.b, rc.hs, qb);
-    }
-    for (int block = 0; block < s.kv_blocks; ++block) {
-      unsigned rows = 0;
-      const int k0 = block * p.block_kv, k1 = k0 + p.block_kv;
-      for (int u = 0; u < units; ++u) {
-        sel[u].partial.skip_to(block);
-        sel[u].full.skip_to(block);
-        if (sel[u].current() == block) continue;  // computed exactly: never counted twice
-        bool eligible;
-        if (p.proxy_mode == 2) {
-          explicit_set[u].skip_to(block);
-          eligible = explicit_set[u].current() == block;
-        } else {
-          const int qb0 = (unit_q0[u] / p.block_q) * p.block_q;
-          eligible = classify_builtin(p, s, rc.b, qb0, qb0 + p.block_q, k0, k1) == Visibility::full &&
-                     custom.keeps_whole(rc.b, rc.hs, qb0, qb0 + p.block_q < s.seqlen_q ? qb0 + p.block_q : s.seqlen_q,
-                                        k0, k1 < s.seqlen_kv ? k1 : s.seqlen_kv);
-        }
-        if (eligible) rows |= 1u << u;
-      }
-      if (rows) emit(block, RouteKind::proxy, rows, 0);
+    open_cursors(p, r);
+    for (int c0 = 0; c0 < r.s.kv_blocks; c0 += 32) {
+      take_chunk(p, r, c0, w);
+      for (int i = 0; i < 32 && c0 + i < r.s.kv_blocks; ++i)
+        if (const unsigned rows = proxy_units(p, r, w, c0, i, custom))
+          put_route(out, p.capacity, count++, c0 + i, RouteKind::proxy, rows, 0);
     }
   }
   return count;
