@@ -15,17 +15,6 @@
 namespace bsattn::gpu {
 namespace {
 
-// Rows without proxy routes: a thread per row, prepare_row as on the CPU.
-template <int kUnits>
-__global__ void prepare_routes_kernel(const route::RouteParams p, int rows, route::Route* routes,
-                                      std::int32_t* counts, std::int32_t* overflow) {
-  const int row = blockIdx.x * blockDim.x + threadIdx.x;
-  if (row >= rows) return;
-  const int needed = route::prepare_row<route::NoCustomMask, kUnits>(p, row, routes + static_cast<std::int64_t>(row) * p.capacity);
-  counts[row] = needed < p.capacity ? needed : p.capacity;
-  if (needed > p.capacity && atomicCAS(overflow, 0, row + 1) == 0) overflow[1] = needed;
-}
-
 // Sum of v over the lanes below this one; *total: over the warp.
 __device__ __forceinline__ int warp_exclusive_sum(int v, int lane, int* total) {
   int x = v;
@@ -37,17 +26,19 @@ __device__ __forceinline__ int warp_exclusive_sum(int v, int lane, int* total) {
   return x - v;
 }
 
-// Rows with proxy routes: a warp per row, lane i classifying block c0 + i of each 32-block chunk
-// (prepare_row's steps, records placed by warp prefix sums in prepare_row's order). A thread per
-// row walked every KV block of the row serially (nKB x rows steps: 512 x 20480 at S = 32768 and
-// blocks of 64). The lanes advance identical cursors (the same loads, broadcast).
-constexpr int kProxyRowThreads = 128;
+// A warp per row, lane i classifying block c0 + i of each 32-block chunk (prepare_row's steps,
+// records placed by warp prefix sums in prepare_row's order); kProxy: then the row's proxy
+// records. A thread per row walked every KV block of the row serially: nKB x rows steps with
+// proxy routes (512 x 20480 at S = 32768 and blocks of 64), and for the few long rows of a decode
+// step (one row of 1024 blocks at L = 131072) ~0.7 ms of one thread before the kernel could start.
+// The lanes advance identical cursors (the same loads, broadcast).
+constexpr int kRowThreads = 128;
 
-template <int kUnits>
-__global__ void __launch_bounds__(kProxyRowThreads)
-    prepare_proxy_routes_kernel(const route::RouteParams p, int rows, route::Route* routes, std::int32_t* counts,
-                                std::int32_t* proxy_counts, std::int32_t* overflow) {
-  const int row = blockIdx.x * (kProxyRowThreads / 32) + static_cast<int>(threadIdx.x) / 32;
+template <int kUnits, bool kProxy>
+__global__ void __launch_bounds__(kRowThreads)
+    prepare_routes_kernel(const route::RouteParams p, int rows, route::Route* routes, std::int32_t* counts,
+                          std::int32_t* proxy_counts, std::int32_t* overflow) {
+  const int row = blockIdx.x * (kRowThreads / 32) + static_cast<int>(threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;  // the whole warp
   route::Route* out = routes + static_cast<std::int64_t>(row) * p.capacity;
@@ -70,16 +61,18 @@ __global__ void __launch_bounds__(kProxyRowThreads)
       count += total;
     }
     exact = count;
-    route::open_cursors(p, r);
-    for (int c0 = 0; c0 < r.s.kv_blocks; c0 += 32) {
-      route::take_chunk(p, r, c0, w);
-      const unsigned units =
-          c0 + lane < r.s.kv_blocks ? route::proxy_units(p, r, w, c0, lane, route::NoCustomMask()) : 0u;
-      const unsigned ballot = __ballot_sync(0xffffffffu, units != 0);
-      if (units)
-        route::put_route(out, p.capacity, count + __popc(ballot & ((1u << lane) - 1u)), c0 + lane,
-                         route::RouteKind::proxy, units, 0);
-      count += __popc(ballot);
+    if constexpr (kProxy) {
+      route::open_cursors(p, r);
+      for (int c0 = 0; c0 < r.s.kv_blocks; c0 += 32) {
+        route::take_chunk(p, r, c0, w);
+        const unsigned units =
+            c0 + lane < r.s.kv_blocks ? route::proxy_units(p, r, w, c0, lane, route::NoCustomMask()) : 0u;
+        const unsigned ballot = __ballot_sync(0xffffffffu, units != 0);
+        if (units)
+          route::put_route(out, p.capacity, count + __popc(ballot & ((1u << lane) - 1u)), c0 + lane,
+                           route::RouteKind::proxy, units, 0);
+        count += __popc(ballot);
+      }
     }
   }
   if (lane != 0) return;
@@ -144,15 +137,12 @@ cudaError_t prepare_routes(const AttentionParams& a, route::Route* routes, std::
   if (rows == 0) return cudaSuccess;
   return with_units(a.route, [&](auto units) {
     constexpr int kUnits = decltype(units)::value;
-    if (a.route.proxy_mode != 0) {
-      constexpr int kRowsPerBlock = kProxyRowThreads / 32;
-      BSATTN_LAUNCH(prepare_proxy_routes_kernel<kUnits>, (rows + kRowsPerBlock - 1) / kRowsPerBlock, kProxyRowThreads,
-                    stream, a.route, rows, routes, counts, proxy_counts, overflow);
-    } else {
-      constexpr int kThreads = 128;
-      BSATTN_LAUNCH(prepare_routes_kernel<kUnits>, (rows + kThreads - 1) / kThreads, kThreads, stream, a.route, rows,
-                    routes, counts, overflow);
-    }
+    constexpr int kRowsPerBlock = kRowThreads / 32;
+    const int blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+    const bool proxy = a.route.proxy_mode != 0;
+    const auto kernel = proxy ? prepare_routes_kernel<kUnits, true> : prepare_routes_kernel<kUnits, false>;
+    BSATTN_LAUNCH(kernel, blocks, kRowThreads, stream, a.route, rows, routes, counts, proxy ? proxy_counts : nullptr,
+                  overflow);
     return cudaGetLastError();
   });
 }
