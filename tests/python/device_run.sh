@@ -14,7 +14,7 @@ mkdir -p "$work"
 
 # The GPU machine's image has scikit-build-core 1.1.0 (2026-12-01) while pyproject pins 1.1.2 as
 # the minimum-version: relax it for this offline build.
-defines=(-C "minimum-version=1.1" -C "cmake.define.BSATTN_GPU_DTYPES=${BSATTN_GPU_DTYPES:-bf16}"
+defines=(-C "minimum-version=1.1" -C "cmake.define.BSATTN_GPU_DTYPES=${BSATTN_GPU_DTYPES:-bf16;f16}"
          -C "cmake.define.BSATTN_GPU_HEAD_DIMS=${BSATTN_GPU_HEAD_DIMS:-64;128}")
 [ -n "${CUTLASS_INCLUDE_DIR:-}" ] && defines+=(-C "cmake.define.CUTLASS_INCLUDE_DIR=$CUTLASS_INCLUDE_DIR")
 BSATTN_ENABLE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolation --no-deps \

@@ -2,7 +2,7 @@
 // and 64 with two packed query heads, by the compiled KV tile widths. Each family is one
 // translation unit.
 #pragma once
-#include "gpu/fwd/kernel_ws.cuh"
+#include "gpu/fwd/launch.cuh"
 
 namespace bsattn::gpu::fwd {
 

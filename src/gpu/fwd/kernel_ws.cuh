@@ -15,14 +15,11 @@
 // streams the next tile and the next Q has landed.
 #pragma once
 
-#include <atomic>
-#include <cstdlib>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "bsattn/attention_params.hpp"
 #include "bsattn/route/prepare.hpp"
-#include "gpu/device_info.hpp"
 #include "gpu/fwd/epilogue.cuh"
 #include "gpu/fwd/mask.cuh"
 #include "gpu/fwd/producer.cuh"
@@ -413,86 +410,6 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   bulk_store_wait<false>();  // O's bulk stores have completed before the CTA exits
   leave();
 #endif
-}
-
-// Launch configuration of a CTA-pair kernel (cluster dimension 2) with `ctas` blocks.
-template <class T>
-struct PairLaunch {
-  cudaLaunchAttribute cluster{};
-  cudaLaunchConfig_t config{};
-  PairLaunch(const PairLaunch&) = delete;  // config.attrs points into this object
-  PairLaunch(int ctas, cudaStream_t stream) {
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 2;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.gridDim = dim3(ctas);
-    config.blockDim = dim3(WsConfig<T>::kThreads);
-    config.dynamicSmemBytes = WsConfig<T>::kSmemBytes;
-    config.stream = stream;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-  }
-};
-
-// CTA pairs of kernel T that fit on `device` at once (both mask policies use the same resources).
-// Items are assigned statically per cluster, and a cluster waiting for a free pair of
-// multiprocessors would run its whole share after the others, so the grid holds this many. A
-// host-side occupancy query, made at plan time and kept per device (66 on the H200).
-template <class T>
-int resident_pairs(int device, int sms) {
-  static std::atomic<int> known[kMaxDevices] = {};  // 0: not queried yet
-  if (device < kMaxDevices && known[device].load(std::memory_order_relaxed) > 0)
-    return known[device].load(std::memory_order_relaxed);
-  PairLaunch<T> launch(sms, nullptr);
-  int pairs = 0;
-  if (cudaOccupancyMaxActiveClusters(&pairs, forward_kernel_ws<T, false>, &launch.config) != cudaSuccess || pairs < 1) {
-    cudaGetLastError();  // not sticky: fall back to one pair per two multiprocessors
-    pairs = sms / 2;
-  }
-  if (device < kMaxDevices) known[device].store(pairs, std::memory_order_relaxed);
-  return pairs;
-}
-
-// a == nullptr: only raises the kernel's shared-memory limit and, for a pair kernel, queries how
-// many pairs fit (plan time, outside any graph capture).
-// A pair-multicast kernel needs TMA: where the tensors cannot be mapped it returns
-// cudaErrorNotSupported and launches nothing (the caller takes the single-CTA kernel).
-// A decode kernel (T::kDecode) takes its shape from `decode` (decode.cuh); with splits, `a` must
-// point O and LSE at the fp32 partial results.
-template <class T, bool kProxy = false>
-cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& extents, const int* overflow,
-                              cudaStream_t stream, const DecodeGeometry& decode = DecodeGeometry{}) {
-  using C = WsConfig<T>;
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || (sms = multiprocessors(device)) == 0) return cudaGetLastError();
-  if (!a) {
-    for (auto kernel : {forward_kernel_ws<T, false, kProxy>, forward_kernel_ws<T, true, kProxy>}) {
-      const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
-      if (e != cudaSuccess) return e;
-    }
-    if constexpr (T::kPairMulticast) (void)resident_pairs<T>(device, sms);
-    return cudaSuccess;
-  }
-  auto kernel = a->route.doc_q || a->route.kv_valid ? forward_kernel_ws<T, true, kProxy>
-                                                    : forward_kernel_ws<T, false, kProxy>;
-  const int items = T::kDecode ? work_items(*a, decode.packed_heads, decode.kv_splits) : work_items(*a, T::kItemHeads);
-  if (items == 0) return cudaSuccess;
-  LaunchDescriptors desc{};
-  desc.decode = decode;
-  static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
-  desc.tma = !no_tma && encode_maps<T>(*a, extents, desc) ? 1 : 0;
-  // Persistent: one CTA per multiprocessor (the kernel's shared memory allows no second one).
-  // BSATTN_GPU_CTA_PER_TILE=1 launches one CTA per work item instead (measurement switch).
-  static const bool cta_per_tile = std::getenv("BSATTN_GPU_CTA_PER_TILE") != nullptr;
-  if constexpr (T::kPairMulticast) {
-    if (!desc.tma) return cudaErrorNotSupported;
-    PairLaunch<T> launch(2 * (cta_per_tile ? items : std::min(items, resident_pairs<T>(device, sms))), stream);
-    return cudaLaunchKernelEx(&launch.config, kernel, *a, overflow, desc);
-  } else {
-    kernel<<<cta_per_tile ? items : std::min(items, sms), C::kThreads, C::kSmemBytes, stream>>>(*a, overflow, desc);
-    return cudaGetLastError();
-  }
 }
 
 }  // namespace bsattn::gpu::fwd
