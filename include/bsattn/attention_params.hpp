@@ -51,7 +51,7 @@ struct AttentionParams {
   int route_rows = 0;
   // GPU work order: route rows, longest first, and the counter persistent CTAs claim work from
   // (zero before each launch). The CPU engine does not use them.
-  const std::int32_t* row_order = nullptr;
+  const std::int32_t* row_order = nullptr;  // null: index order (work items do not queue)
   std::int32_t* work_counter = nullptr;
 
   BSATTN_HD std::int64_t q_offset(int b, const route::SeqInfo& s, int q, int h) const {

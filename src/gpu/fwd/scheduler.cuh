@@ -69,7 +69,7 @@ __device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, 
   const int group = p.heads_q / p.sparsity_heads;
   const int per_row = group / heads_per_tile;
   const int split = item % splits, unit = item / splits;
-  const int row = a.row_order[unit / per_row];
+  const int row = a.row_order ? a.row_order[unit / per_row] : unit / per_row;  // null: index order
   t.item = item;
   t.row = row;
   t.split = split;
