@@ -4,7 +4,8 @@
 // a time as one more pipeline step after the exact routes:
 // * loader: the step's K and V summary rows are gathered into a K and a V stage by the same
 //   cp.async row copy as K/V tokens (produce_rows with a SummaryRows row functor), row c being
-//   record c's block;
+//   record c's block (the step's block indices read up front, one coalesced load per warp and
+//   32 records);
 // * consumers: the same S = Q K^T and O += P V GEMMs as an exact route. In the softmax a column is
 //   -inf unless it holds a record the row's Q unit takes (columns past the records, blocks proxied
 //   for another unit), and the row sum counts column c with weight n_c, the block's in-range
@@ -21,15 +22,24 @@ namespace bsattn::gpu::fwd {
 // Named barrier of the loader warps (0-9 are the kernel's: kernel_ws.cuh).
 constexpr int kLoaderBarrier = 10;
 
-// Summary rows of one (sequence, KV head) addressed by proxy record: row c is the summary of
-// block records[c].index. A produce_rows row functor (no shuffles: any lane may skip a row).
-template <class Element>
+// Summary rows of one (sequence, KV head) for one proxy step: row c is the summary of the step's
+// record c. Each loader warp holds the step's block indices, lane L record 32 w + L's in
+// block[w], read with one coalesced load per word before the step's copies; reading a record
+// per copied row instead put a dependent load in front of every row's cp.async (11-22 round
+// trips per operand and step). A produce_rows row functor: every lane calls it for every row.
+template <class Element, int kWords>
 struct SummaryRows {
   const Element* head;  // block 0's summary of this sequence and KV head
   std::int64_t block_stride;
-  const route::Route* records;  // this step's proxy records
+  int block[kWords];
   __device__ __forceinline__ const Element* operator()(int c, bool valid) const {
-    return valid ? head + records[c].index * block_stride : head;
+    int j = 0;
+    CUTE_UNROLL
+    for (int w = 0; w < kWords; ++w) {  // the word by compares: an indexed one would live in local memory
+      const int v = __shfl_sync(0xffffffffu, block[w], c % 32);
+      if (c / 32 == w) j = v;
+    }
+    return valid ? head + j * block_stride : head;
   }
 };
 
@@ -60,8 +70,9 @@ __device__ __forceinline__ void load_proxy_steps(const Tile& tile, bool tma, con
                           tile.hkv * a.summary_head_stride;
   const Element* v_head = static_cast<const Element*>(a.v_summary) + tile.b * a.v_summary_batch_stride +
                           tile.hkv * a.v_summary_head_stride;
-  const auto gather = [&](auto is_v, const SummaryRows<Element>& rows, std::uint64_t* full, std::uint64_t* empty,
-                          int stage, int phase, int n_valid) {
+  constexpr int kWords = kBlockN / 32;
+  const auto gather = [&](auto is_v, const SummaryRows<Element, kWords>& rows, std::uint64_t* full,
+                          std::uint64_t* empty, int stage, int phase, int n_valid) {
     Barrier::wait(&empty[stage], phase ^ 1);
     produce_rows<T, decltype(is_v)::value, kLoaderThreads>(st, rows, 0, 0, kBlockN, n_valid, stage, ptid);
     if (tma) {
@@ -72,14 +83,19 @@ __device__ __forceinline__ void load_proxy_steps(const Tile& tile, bool tma, con
       cp_async_arrive_noinc(&full[stage]);
     }
   };
+  const int lane = ptid % 32;
   for (int k = 0; k < steps; ++k) {
     const int j = tile.first + tile.exact + k, stage = j % kStages, phase = (j / kStages) & 1;
     const route::Route* records = tile.routes + tile.exact + k * kBlockN;
     const int n_valid = min(kBlockN, tile.proxies - k * kBlockN);  // rows past it are zero-filled
-    gather(std::false_type{}, SummaryRows<Element>{k_head, a.summary_block_stride, records}, bars.full_k,
-           bars.empty_k, stage, phase, n_valid);
-    gather(std::true_type{}, SummaryRows<Element>{v_head, a.v_summary_block_stride, records}, bars.full_v,
-           bars.empty_v, stage, phase, n_valid);
+    // Loaded before the K stage wait, under which their latency passes.
+    SummaryRows<Element, kWords> rows{k_head, a.summary_block_stride, {}};
+    CUTE_UNROLL
+    for (int w = 0; w < kWords; ++w) rows.block[w] = 32 * w + lane < n_valid ? records[32 * w + lane].index : 0;
+    gather(std::false_type{}, rows, bars.full_k, bars.empty_k, stage, phase, n_valid);
+    rows.head = v_head;
+    rows.block_stride = a.v_summary_block_stride;
+    gather(std::true_type{}, rows, bars.full_v, bars.empty_v, stage, phase, n_valid);
   }
 }
 
