@@ -176,6 +176,7 @@ struct CaseSpec {
   int mask = -1;  // -1 drawn; 0 none, 1 causal, 2 causal+window, 3 window+sink, 4 documents, 5 kv-valid bits
   int max_seqlen = 300;
   int max_seqlen_q = 0;  // query tokens (0: max_seqlen), e.g. a few for decode cases
+  bool exact_seqlen_q = false;  // batched: every sequence has max_seqlen_q queries (else drawn)
   int batch = 0;  // 0: drawn
   bool out_f32 = false;  // f32 output (the kernel stages it in two column halves)
   // Proxy compensation (SPEC §6): summaries built by the CPU engine; an explicit set names each
@@ -230,7 +231,8 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
     }
   }
   if (!varlen) {
-    const int sq = uni(std::max(1, max_q / 2), max_q), skv = uni(spec.max_seqlen / 2, spec.max_seqlen);
+    const int sq = spec.exact_seqlen_q ? max_q : uni(std::max(1, max_q / 2), max_q);
+    const int skv = uni(spec.max_seqlen / 2, spec.max_seqlen);
     for (int b = 0; b < p.batch; ++b) c->seqlen_q[b] = sq, c->seqlen_kv[b] = skv;
   }
   p.max_seqlen_q = std::max(1, *std::max_element(c->seqlen_q.begin(), c->seqlen_q.end()));

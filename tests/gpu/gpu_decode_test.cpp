@@ -62,6 +62,7 @@ struct DecodeSweep {
   int hq, hkv;
   int max_q;  // queries per sequence, at most
   int page_size;  // 0: contiguous K/V
+  bool full_tile = false;  // batched: exactly max_q queries (a tile of T = max_q tokens: O by bulk stores)
 };
 
 TEST(GpuDecode, EveryFormatGroupAndLayout) {
@@ -73,6 +74,7 @@ TEST(GpuDecode, EveryFormatGroupAndLayout) {
       {Format::bitmask, false, 8, 2, 4, 16},            {Format::block_lists, true, 8, 2, 3, 0},
       {Format::varlen_block_lists, true, 8, 2, 2, 0},   {Format::bsr, true, 4, 4, 40, 0},
       {Format::bitmask, true, 8, 1, 1, 32},             {Format::all_blocks, true, 6, 2, 5, 0},
+      {Format::block_lists, false, 8, 2, 16, 0, true},  {Format::all_blocks, false, 4, 2, 32, 64, true},
   };
   std::mt19937_64 rng(71);
   std::uint64_t seed = 7100;
@@ -84,6 +86,8 @@ TEST(GpuDecode, EveryFormatGroupAndLayout) {
       spec.hq = s.hq;
       spec.hkv = s.hkv;
       spec.max_seqlen_q = s.max_q;
+      spec.exact_seqlen_q = s.full_tile;
+      if (s.full_tile) spec.sparsity_heads = s.hkv;  // packs the whole group: T = 64 / P tokens = max_q
       spec.max_seqlen = 2600;
       spec.batch = rep == 0 && !s.varlen ? 1 : 0;  // one sequence: split-KV
       spec.seed = seed++;
