@@ -163,31 +163,9 @@ TEST(GpuDecode, GraphReplayWithNewLengthsTablesAndBlocks) {
   const Result before = download(*c);
   expect_close(*c, before, run_cpu(*c));
 
-  const Problem& p = c->problem;
-  const std::int64_t page_elems = static_cast<std::int64_t>(kPage) * p.heads_kv * p.head_dim;
-  std::vector<int> perm(p.num_pages);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
-  std::vector<std::int32_t> table(pb.table->as<std::int32_t>(), pb.table->as<std::int32_t>() + p.batch * pb.row_stride);
-  std::vector<unsigned char> k_old = pb.k_cache->host, v_old = pb.v_cache->host;
-  std::fill(pb.k_cache->host.begin(), pb.k_cache->host.end(), 0xff);
-  std::fill(pb.v_cache->host.begin(), pb.v_cache->host.end(), 0xff);
-  std::fill(pb.table->as<std::int32_t>(), pb.table->as<std::int32_t>() + p.batch * pb.row_stride, 1 << 30);
-  int next = 0;
-  for (int b = 0; b < p.batch; ++b) {
-    const int len = pb.lens->as<std::int32_t>()[b];
-    const int kept = std::uniform_int_distribution<int>(len / 2, len)(rng);
-    pb.lens->as<std::int32_t>()[b] = kept;
-    for (int i = 0; i < (kept + kPage - 1) / kPage; ++i) {
-      const int from = table[b * pb.row_stride + i], to = perm[next++];
-      pb.table->as<std::int32_t>()[b * pb.row_stride + i] = to;
-      for (auto [dst, src] : {std::pair{pb.k_cache, &k_old}, std::pair{pb.v_cache, &v_old}})
-        std::copy_n(src->data() + from * page_elems * 2, page_elems * 2, dst->host.data() + to * page_elems * 2);
-    }
-  }
-  for (Buffer* buf : {pb.table, pb.lens, pb.k_cache, pb.v_cache}) buf->upload();  // same addresses
+  shorten_and_move_pages(c->problem, pb, kPage, rng);
   thin_bitmask(c->in_host.partial.bits, c->in_device.partial.bits, rng);
-  if (p.has_full) thin_bitmask(c->in_host.full.bits, c->in_device.full.bits, rng);
+  if (c->problem.has_full) thin_bitmask(c->in_host.full.bits, c->in_device.full.bits, rng);
 
   c->poison_outputs();
   CUDA_OK(cudaGraphLaunch(exec, stream));

@@ -71,4 +71,31 @@ inline PagedBuffers page_kv(Case& c, int page_size, std::mt19937_64& rng) {
   return {table, lens, kc, vc, row_stride};
 }
 
+// New values at the same addresses, for graph replays: each sequence keeps a random prefix of at
+// least half its tokens (seq_lens_kv), in freshly shuffled pages (block_table, K/V caches).
+inline void shorten_and_move_pages(const Problem& p, const PagedBuffers& pb, int page_size, std::mt19937_64& rng) {
+  const std::int64_t page_elems = static_cast<std::int64_t>(page_size) * p.heads_kv * p.head_dim;
+  std::vector<int> perm(p.num_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<std::int32_t> table(pb.table->as<std::int32_t>(), pb.table->as<std::int32_t>() + p.batch * pb.row_stride);
+  std::vector<unsigned char> k_old = pb.k_cache->host, v_old = pb.v_cache->host;
+  std::fill(pb.k_cache->host.begin(), pb.k_cache->host.end(), 0xff);
+  std::fill(pb.v_cache->host.begin(), pb.v_cache->host.end(), 0xff);
+  std::fill(pb.table->as<std::int32_t>(), pb.table->as<std::int32_t>() + p.batch * pb.row_stride, 1 << 30);
+  int next = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const int len = pb.lens->as<std::int32_t>()[b];
+    const int kept = len ? std::uniform_int_distribution<int>(len / 2, len)(rng) : 0;
+    pb.lens->as<std::int32_t>()[b] = kept;
+    for (int i = 0; i < (kept + page_size - 1) / page_size; ++i) {
+      const int from = table[b * pb.row_stride + i], to = perm[next++];
+      pb.table->as<std::int32_t>()[b * pb.row_stride + i] = to;
+      for (auto [dst, src] : {std::pair{pb.k_cache, &k_old}, std::pair{pb.v_cache, &v_old}})
+        std::copy_n(src->data() + from * page_elems * 2, page_elems * 2, dst->host.data() + to * page_elems * 2);
+    }
+  }
+  for (Buffer* buf : {pb.table, pb.lens, pb.k_cache, pb.v_cache}) buf->upload();
+}
+
 }  // namespace bsattn_gpu_test

@@ -138,31 +138,7 @@ TEST(GpuPaged, GraphReplayWithNewTablesAndLengths) {
     CUDA_OK(cudaStreamSynchronize(stream));
     const Result before = read_outputs(*c, Device::cuda);
 
-    // New values: each sequence keeps a random prefix of its tokens, in freshly shuffled pages.
-    const Problem& p = c->problem;
-    const std::int64_t page_elems = static_cast<std::int64_t>(kPage) * p.heads_kv * p.head_dim;
-    std::vector<int> perm(p.num_pages);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    std::vector<std::int32_t> table(pb.table->as<std::int32_t>(),
-                                    pb.table->as<std::int32_t>() + p.batch * pb.row_stride);
-    std::vector<unsigned char> k_old = pb.k_cache->host, v_old = pb.v_cache->host;
-    std::fill(pb.k_cache->host.begin(), pb.k_cache->host.end(), 0xff);
-    std::fill(pb.v_cache->host.begin(), pb.v_cache->host.end(), 0xff);
-    std::fill(pb.table->as<std::int32_t>(), pb.table->as<std::int32_t>() + p.batch * pb.row_stride, 1 << 30);
-    int next = 0;
-    for (int b = 0; b < p.batch; ++b) {
-      const int len = pb.lens->as<std::int32_t>()[b];
-      const int kept = len ? std::uniform_int_distribution<int>(len / 2, len)(rng) : 0;
-      pb.lens->as<std::int32_t>()[b] = kept;
-      for (int i = 0; i < (kept + kPage - 1) / kPage; ++i) {
-        const int from = table[b * pb.row_stride + i], to = perm[next++];
-        pb.table->as<std::int32_t>()[b * pb.row_stride + i] = to;
-        for (auto [dst, src] : {std::pair{pb.k_cache, &k_old}, std::pair{pb.v_cache, &v_old}})
-          std::copy_n(src->data() + from * page_elems * 2, page_elems * 2, dst->host.data() + to * page_elems * 2);
-      }
-    }
-    for (Buffer* buf : {pb.table, pb.lens, pb.k_cache, pb.v_cache}) buf->upload();  // same addresses
+    shorten_and_move_pages(c->problem, pb, kPage, rng);
 
     c->poison_outputs();
     CUDA_OK(cudaGraphLaunch(exec, stream));
