@@ -19,6 +19,8 @@ printed too). Targets: bsattn validate=False wall <= 40 us, C++ Plan::run host <
 
   PYTHONPATH=<site with bsattn> python3 bench/gpu/bench_callpath.py \\
       --lib build-gpu/bench/gpu/libbsattn_bench.so [--iters 2000] [--burst 32] [--out callpath.md]
+
+--cpp-only: the C++ rows alone (no bsattn package needed: the shim and torch for the buffers).
 """
 import argparse
 import ctypes
@@ -28,8 +30,6 @@ import sys
 import time
 
 import torch
-
-import bsattn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
@@ -42,7 +42,10 @@ P.add_argument("--seqlen", type=int, default=1024)
 P.add_argument("--heads", type=int, default=8)
 P.add_argument("--head-dim", type=int, default=128)
 P.add_argument("--out", default="")
+P.add_argument("--cpp-only", action="store_true", help="only the C++ Plan::run rows (no bsattn package)")
 ARGS = P.parse_args()
+if not ARGS.cpp_only:
+    import bsattn
 S, H, D = ARGS.seqlen, ARGS.heads, ARGS.head_dim
 
 
@@ -139,6 +142,22 @@ def cpp_rows(q, k, v):
 def main():
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, S, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    rows = [f"S = {S}, H = {H}, D = {D}, bf16, causal, B = 1; wall: {ARGS.iters} calls per row back to back; "
+            f"host: median over bursts of {ARGS.burst} calls (GPU drained between bursts); "
+            f"torch {torch.__version__}, {torch.cuda.get_device_name()}", "",
+            "| call | wall us / call | host us / call | GPU us / call |", "| --- | --- | --- | --- |"]
+    if not ARGS.cpp_only:
+        rows += python_rows(q, k, v)
+    for row in cpp_rows(q, k, v):
+        rows.append(row)
+        print(row, flush=True)
+    if ARGS.out:
+        with open(ARGS.out, "w") as f:
+            f.write("\n".join(rows) + "\n")
+
+
+def python_rows(q, k, v):
+    """bsattn's PyTorch calls and the peers, each checked against SDPA first."""
     mask = bsattn.Mask(causal=True)
     plan = bsattn.Plan(q, k, v, mask=mask, validate=False)
     ours = [
@@ -149,10 +168,7 @@ def main():
     ]
     calls = ours + peers(q, k, v)
     reference = calls[len(ours)][1]().float()
-    rows = [f"S = {S}, H = {H}, D = {D}, bf16, causal, B = 1; wall: {ARGS.iters} calls per row back to back; "
-            f"host: median over bursts of {ARGS.burst} calls (GPU drained between bursts); "
-            f"torch {torch.__version__}, {torch.cuda.get_device_name()}", "",
-            "| call | wall us / call | host us / call | GPU us / call |", "| --- | --- | --- | --- |"]
+    rows = []
     for name, fn in calls:
         diff = (fn().float() - reference).abs().max().item()
         if not diff <= 2e-2:
@@ -162,12 +178,7 @@ def main():
         wall, host, gpu = measure(fn, iters)
         rows.append(f"| {name} | {wall:.1f} | {host:.1f} | {gpu:.1f} |")
         print(rows[-1], flush=True)
-    for row in cpp_rows(q, k, v):
-        rows.append(row)
-        print(row, flush=True)
-    if ARGS.out:
-        with open(ARGS.out, "w") as f:
-            f.write("\n".join(rows) + "\n")
+    return rows
 
 
 main()
