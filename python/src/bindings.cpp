@@ -369,6 +369,8 @@ nb::dict tiles_dict(const bsattn::TileShape& t) {
   d["unit_m"] = t.unit_m;
   d["units_per_tile"] = t.units_per_tile;
   d["kv_split"] = t.kv_split;
+  d["packed_heads"] = t.packed_heads;  // the GPU decode kernel (0: prefill kernels)
+  d["kv_splits"] = t.kv_splits;
   return d;
 }
 
