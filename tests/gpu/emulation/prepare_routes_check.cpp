@@ -1,6 +1,6 @@
-// Host check of the GPU route preparation kernels (src/gpu/prepare_routes.cu on cuda_emulation.hpp:
-// the thread-per-row kernel and the warp-per-row kernel of proxy rows, lane collectives included)
-// against route::prepare_row, record for record: counts, the trailing proxy-record counts, and the
+// Host check of the GPU route preparation kernel (src/gpu/prepare_routes.cu on cuda_emulation.hpp:
+// a warp per row, with and without the proxy pass, lane collectives included) against
+// route::prepare_row, record for record: counts, the trailing proxy-record counts, and the
 // overflow flag, on random block lists and bitmasks (junk entries, short counts), full sets, proxy
 // modes 0 / 1 / 2, causal / window / sinks, Bq and Bk 16-128, up to 250 KV blocks, capacities large
 // and small. BSATTN_EMULATION_REVERSE=1 runs the lanes in reverse order.
