@@ -2,10 +2,9 @@
 // (forward_kernel_ws<..., kProxy>). Route preparation ends a row with its proxy records, one per
 // unselected eligible KV block j (or block of the explicit set); the kernel takes them kBlockN at
 // a time as one more pipeline step after the exact routes:
-// * loader: the step's K and V summary rows are gathered into a K and a V stage by the same
-//   cp.async row copy as K/V tokens (produce_rows with a SummaryRows row functor), row c being
-//   record c's block (the step's block indices read up front, one coalesced load per warp and
-//   32 records);
+// * loader: the step's K and V summary rows are gathered into a K and a V stage by cp.async
+//   (gather_rows: produce_rows' layout, under an L2 evict_last policy), row c being record c's
+//   block (the step's block indices read up front, one coalesced load per warp and 32 records);
 // * consumers: the same S = Q K^T and O += P V GEMMs as an exact route. In the softmax a column is
 //   -inf unless it holds a record the row's Q unit takes (columns past the records, blocks proxied
 //   for another unit), and the row sum counts column c with weight n_c, the block's in-range
@@ -26,7 +25,7 @@ constexpr int kLoaderBarrier = 10;
 // record c. Each loader warp holds the step's block indices, lane L record 32 w + L's in
 // block[w], read with one coalesced load per word before the step's copies; reading a record
 // per copied row instead put a dependent load in front of every row's cp.async (11-22 round
-// trips per operand and step). A produce_rows row functor: every lane calls it for every row.
+// trips per operand and step). Every lane calls it for every row (it shuffles within the warp).
 template <class Element, int kWords>
 struct SummaryRows {
   const Element* head;  // block 0's summary of this sequence and KV head
@@ -42,6 +41,42 @@ struct SummaryRows {
     return valid ? head + j * block_stride : head;
   }
 };
+
+// An L2 policy that keeps lines ahead of normally cached ones (createpolicy evict_last).
+__device__ __forceinline__ std::uint64_t l2_evict_last() {
+  std::uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// Rows [0, kBlockN) of one proxy step's K or V stage from the summaries, 16 bytes per thread and
+// copy (the layout of produce_rows), rows at or past n_valid zero-filled. The copies read under
+// an evict_last policy: a head's summaries (256 KB at nKB = 512, D = 128) are read again by each
+// of its Q tiles, which run microseconds apart while K/V tokens stream through L2 at several
+// TB/s, so that with normal eviction the gathers would mostly go to memory.
+template <class T, bool kIsV, int kWords>
+__device__ __forceinline__ void gather_rows(typename T::SharedStorage& st,
+                                            const SummaryRows<typename T::Element, kWords>& rows, int n_valid,
+                                            int stage, int ptid, std::uint64_t policy) {
+  constexpr int kChunks = T::kHeadDim / 8, kRowsPerStep = kLoaderThreads / kChunks;
+  static_assert(kLoaderThreads % kChunks == 0, "whole rows per step");
+  Tensor sK = make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(st.v), typename T::SmemLayoutVt{});
+  const int d = (ptid % kChunks) * 8;
+#pragma unroll 2
+  for (int n0 = 0; n0 < T::kBlockN; n0 += kRowsPerStep) {
+    const int n = n0 + ptid / kChunks;
+    const bool valid = n < n_valid;
+    const auto* src = rows(n, valid) + d;
+    if (n < T::kBlockN) {
+      void* dst = kIsV ? static_cast<void*>(&sVt(d, n, stage)) : static_cast<void*>(&sK(n, d, stage));
+      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(
+                       static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+                   "l"(src), "r"(valid ? 16 : 0), "l"(policy)
+                   : "memory");
+    }
+  }
+}
 
 // Arrives on `bar` once this thread's earlier cp.async copies have landed, raising the pending
 // count first: the phase stays open until they land, without taking one of its arrivals.
@@ -71,10 +106,11 @@ __device__ __forceinline__ void load_proxy_steps(const Tile& tile, bool tma, con
   const Element* v_head = static_cast<const Element*>(a.v_summary) + tile.b * a.v_summary_batch_stride +
                           tile.hkv * a.v_summary_head_stride;
   constexpr int kWords = kBlockN / 32;
+  const std::uint64_t policy = l2_evict_last();
   const auto gather = [&](auto is_v, const SummaryRows<Element, kWords>& rows, std::uint64_t* full,
                           std::uint64_t* empty, int stage, int phase, int n_valid) {
     Barrier::wait(&empty[stage], phase ^ 1);
-    produce_rows<T, decltype(is_v)::value, kLoaderThreads>(st, rows, 0, 0, kBlockN, n_valid, stage, ptid);
+    gather_rows<T, decltype(is_v)::value>(st, rows, n_valid, stage, ptid, policy);
     if (tma) {
       cp_async_arrive_pending(&full[stage]);
       barrier_sync(kLoaderBarrier, kLoaderThreads);  // every thread's pending arrival is registered
