@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -82,6 +83,12 @@ static void choose_decode(const Problem& pb, const route::RouteParams& geo, int 
   const std::int64_t items = static_cast<std::int64_t>(pb.batch) * (pb.heads_q / heads);
   if (pb.q_layout == QLayout::batched && items < sms)
     t.kv_splits = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(sms / items, routes_per_row / 4)));
+  // Measurement switch (environment, read once): BSATTN_GPU_DECODE_SPLITS=N forces N splits.
+  static const int forced_splits = [] {
+    const char* v = std::getenv("BSATTN_GPU_DECODE_SPLITS");
+    return v ? std::atoi(v) : 0;
+  }();
+  if (pb.q_layout == QLayout::batched && forced_splits > 0) t.kv_splits = forced_splits;
 }
 
 // The GPU plan's workspace: one cudaMalloc at plan time, carved into the overflow flag, route
