@@ -43,6 +43,9 @@ struct MergeParams {
   // The GPU merge writes nothing while this device flag is set (the decode kernel's splits after a
   // route overflow, when the kernel wrote nothing either); null: always merge.
   const std::int32_t* skip_if = nullptr;
+  // The GPU merge leaves rows (tokens) at or past this device value alone (the decode kernel's
+  // varlen splits: cu_seqlens_q[B], rows past the sequences are not outputs); null: every row.
+  const std::int32_t* tokens_valid = nullptr;
 
   BSATTN_HD std::int64_t items() const { return batch * tokens * heads; }
   BSATTN_HD const Layout& part(int i) const { return i == 0 ? first : second; }

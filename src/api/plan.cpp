@@ -65,8 +65,7 @@ using gpu::DeviceGuard;
 // fewer than 16 tokens (tile_m is a multiple of 16). Not for an explicit tile_m, proxy routes, or
 // a plan for the backward (whose kernels take the prefill tiles). Split-KV when the work items
 // (sequences x head groups) leave multiprocessors idle: as many splits as fill them, each at
-// least 4 routes long; batched Q only (the merge covers every row of the output, which varlen Q
-// may leave unwritten past its sequences).
+// least 4 routes long.
 static void choose_decode(const Problem& pb, const route::RouteParams& geo, int routes_per_row, int sms,
                           TileShape& t) {
   if (pb.tile_m > 0 || pb.proxy != Proxy::off || pb.backward || pb.heads_kv <= 0) return;
@@ -81,14 +80,14 @@ static void choose_decode(const Problem& pb, const route::RouteParams& geo, int 
   t.packed_heads = heads;
   t.kv_splits = 1;
   const std::int64_t items = static_cast<std::int64_t>(pb.batch) * (pb.heads_q / heads);
-  if (pb.q_layout == QLayout::batched && items < sms)
+  if (items < sms)
     t.kv_splits = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(sms / items, routes_per_row / 4)));
   // Measurement switch (environment, read once): BSATTN_GPU_DECODE_SPLITS=N forces N splits.
   static const int forced_splits = [] {
     const char* v = std::getenv("BSATTN_GPU_DECODE_SPLITS");
     return v ? std::atoi(v) : 0;
   }();
-  if (pb.q_layout == QLayout::batched && forced_splits > 0) t.kv_splits = forced_splits;
+  if (forced_splits > 0) t.kv_splits = forced_splits;
 }
 
 // The GPU plan's workspace: one cudaMalloc at plan time, carved into the overflow flag, route
@@ -321,8 +320,10 @@ void Plan::plan(const Problem& problem) {
     const bool has_backward =
         gpu_backward_geometry(problem, next->tiles, geo, backward, ws.backward_refused_field, ws.backward_refused);
     const TileShape& t = next->tiles;
-    const std::size_t partial_rows =
-        t.kv_splits > 1 ? static_cast<std::size_t>(t.kv_splits) * problem.batch * problem.max_seqlen_q * problem.heads_q : 0;
+    const std::int64_t q_rows = problem.q_layout == QLayout::varlen
+                                    ? problem.total_q
+                                    : static_cast<std::int64_t>(problem.batch) * problem.max_seqlen_q;
+    const std::size_t partial_rows = t.kv_splits > 1 ? static_cast<std::size_t>(t.kv_splits * q_rows * problem.heads_q) : 0;
     ws.allocate(problem.device_index, rows, next->capacity, problem.batch, has_backward ? &backward : nullptr,
                 partial_rows * problem.head_dim, partial_rows);
     {
@@ -444,13 +445,16 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   run_decode_splits(a, extents, decode, s);
 }
 
-// Split-KV decode (batched Q): the kernel writes each split's normalised O and LSE in fp32, laid
-// out as batched outputs split after split, and merge_states combines them into the caller's
-// outputs (skipped, like the kernel, after a route overflow).
+// Split-KV decode: the kernel writes each split's normalised O and LSE in fp32, laid out as the
+// outputs (batched [B, Sq, H, D] / [B, H, Sq], varlen [total_q, H, D] / [H, total_q]) split after
+// split, and merge_states combines them into the caller's outputs (skipped, like the kernel, after
+// a route overflow; varlen rows past the sequences left alone, as the kernel leaves them).
 void Plan::Impl::run_decode_splits(const AttentionParams& a, const gpu::TokenExtents& extents,
                                    gpu::DecodeShape& decode, cudaStream_t s) {
   DeviceWorkspace& ws = *device;
-  const std::int64_t B = problem.batch, Sq = problem.max_seqlen_q, H = problem.heads_q, D = problem.head_dim;
+  const bool varlen = a.route.varlen_q;
+  const std::int64_t B = varlen ? 1 : problem.batch, Sq = varlen ? problem.total_q : problem.max_seqlen_q;
+  const std::int64_t H = problem.heads_q, D = problem.head_dim;
   merge::Layout partial;
   partial.out = ws.partial_out;
   partial.out_head_stride = D;
@@ -494,6 +498,10 @@ void Plan::Impl::run_decode_splits(const AttentionParams& a, const gpu::TokenExt
   m.result.lse_batch_stride = a.lse_batch_stride;
   m.result.lse_head_stride = a.lse_head_stride;
   m.result.lse_token_stride = a.lse_token_stride;
+  if (varlen) {  // one batch of total_q rows (the kernel's varlen offsets ignore batch strides)
+    m.result.out_batch_stride = m.result.lse_batch_stride = 0;
+    m.tokens_valid = a.route.cu_seqlens_q + problem.batch;
+  }
   m.skip_if = ws.overflow;
   cuda_check(gpu::merge_states(m, s), "merge_states (decode splits)");
 }

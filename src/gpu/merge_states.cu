@@ -82,6 +82,7 @@ __device__ __forceinline__ Item locate(const merge::MergeParams& p, std::int64_t
   it.b = static_cast<int>(b);
   it.s = static_cast<int>(s);
   it.h = static_cast<int>(h);
+  if (p.tokens_valid && it.s >= *p.tokens_valid) it.active = false;
   return it;
 }
 

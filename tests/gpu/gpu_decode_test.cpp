@@ -44,8 +44,7 @@ void expect_decode_plan(const Plan& plan) {
   EXPECT_EQ(t.tile_m, 64 / heads);
   const int items = p.batch * (p.heads_q / heads);
   const int routes = (p.max_seqlen_kv + p.block.kv - 1) / p.block.kv * t.kv_split;
-  if (p.q_layout == QLayout::batched && items * 2 <= multiprocessors() && routes >= 8) EXPECT_GT(t.kv_splits, 1);
-  if (p.q_layout == QLayout::varlen) EXPECT_EQ(t.kv_splits, 1);
+  if (items * 2 <= multiprocessors() && routes >= 8) EXPECT_GT(t.kv_splits, 1);
 }
 
 void run_gpu(Case& c) {
