@@ -40,7 +40,6 @@ ARGS = P.parse_args()
 LIB = benchlib.load(ARGS.lib, need=("bsattn_bench_plan", "bsattn_bench_set_proxy", "bsattn_bench_summaries"))
 _V, _I = ctypes.c_void_p, ctypes.c_int
 for name, res, args in (
-        ("bsattn_bench_set_proxy_set", _I, [_V] * 3),
         ("bsattn_bench_run_proxy_set", _I, [_V] * 10),
         ("bsattn_bench_prepare_time", _I, [_V] * 10 + [_I, ctypes.POINTER(ctypes.c_double),
                                                       ctypes.POINTER(ctypes.c_double),
@@ -178,7 +177,7 @@ def main():
                     calls[name] = lambda h=plan.h, o=out: ok(LIB.bsattn_bench_run(
                         h, ptr(q), ptr(k), ptr(v), ptr(o), None, ptr(cnt), ptr(idx), stream))
                 elif name == "proxy-empty":
-                    ok(LIB.bsattn_bench_set_proxy_set(plan.h, ptr(ks), ptr(vs)))
+                    ok(LIB.bsattn_bench_set_proxy(plan.h, 2, ptr(ks), ptr(vs)))
                     proxy_sets[name] = (no_cnt, no_idx)
                     calls[name] = lambda h=plan.h, o=out: ok(LIB.bsattn_bench_run_proxy_set(
                         h, ptr(q), ptr(k), ptr(v), ptr(o), ptr(cnt), ptr(idx), ptr(no_cnt), ptr(no_idx), stream))

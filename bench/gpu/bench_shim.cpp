@@ -315,13 +315,14 @@ int bsattn_bench_set_validate(void* handle, int validate) {
   }
 }
 
-// Re-plans a bsattn_bench_plan plan with proxy compensation (SPEC §6) on the eligible blocks
-// (`eligible` 1) or without it (0); its runs then read k_summary / v_summary [B, ceil(S/bk), Hkv,
-// D] (e.g. from bsattn_bench_summaries). Returns 0, or -1 (bsattn_bench_error says why).
-int bsattn_bench_set_proxy(void* handle, int eligible, void* k_summary, void* v_summary) {
+// Re-plans a bsattn_bench_plan plan with proxy compensation (SPEC §6): `mode` 0 off, 1 on the
+// eligible blocks, 2 on an explicit proxy set (its runs go through bsattn_bench_run_proxy_set);
+// its runs then read k_summary / v_summary [B, ceil(S/bk), Hkv, D] (e.g. from
+// bsattn_bench_summaries). Returns 0, or -1 (bsattn_bench_error says why).
+int bsattn_bench_set_proxy(void* handle, int mode, void* k_summary, void* v_summary) {
   try {
     auto* b = static_cast<BenchPlan*>(handle);
-    b->problem.proxy = eligible ? bsattn::Proxy::eligible : bsattn::Proxy::off;
+    b->problem.proxy = mode == 2 ? bsattn::Proxy::explicit_set : mode == 1 ? bsattn::Proxy::eligible : bsattn::Proxy::off;
     b->k_summary = k_summary;
     b->v_summary = v_summary;
     b->plan.plan(b->problem);
@@ -536,24 +537,8 @@ struct TimingResources {
 
 extern "C" {
 
-// Re-plans a bsattn_bench_plan plan (block lists) with an explicit proxy set (Proxy::explicit_set);
-// its runs go through bsattn_bench_run_proxy_set. Returns 0, or -1 (bsattn_bench_error says why).
-int bsattn_bench_set_proxy_set(void* handle, void* k_summary, void* v_summary) {
-  try {
-    auto* b = static_cast<BenchPlan*>(handle);
-    b->problem.proxy = bsattn::Proxy::explicit_set;
-    b->k_summary = k_summary;
-    b->v_summary = v_summary;
-    b->plan.plan(b->problem);
-    return 0;
-  } catch (const std::exception& e) {
-    g_error = e.what();
-    return -1;
-  }
-}
-
 // bsattn_bench_run with the proxy set pcnt [1, Hs, nQB] / pidx [1, Hs, nQB, nKB] int32 (read only
-// by a bsattn_bench_set_proxy_set plan). Returns 0, or -1 (bsattn_bench_error says why).
+// by a bsattn_bench_set_proxy plan of mode 2). Returns 0, or -1 (bsattn_bench_error says why).
 int bsattn_bench_run_proxy_set(void* handle, void* q, void* k, void* v, void* out, void* cnt, void* idx, void* pcnt,
                                void* pidx, void* stream) {
   try {

@@ -41,7 +41,6 @@ SIGNATURES = {
     "bsattn_bench_plan_varlen": (_P, [_I, _I, _I64] + [_I] * 8),
     "bsattn_bench_run_varlen": (_I, [_P] * 8),
     # the shim's proxy diagnostics block
-    "bsattn_bench_set_proxy_set": (_I, [_P] * 3),
     "bsattn_bench_run_proxy_set": (_I, [_P] * 10),
     "bsattn_bench_prepare_time": (_I, [_P] * 10 + [_I, ctypes.POINTER(_D), ctypes.POINTER(_D),
                                                    ctypes.POINTER(ctypes.c_longlong)]),
