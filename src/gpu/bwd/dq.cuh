@@ -1,7 +1,7 @@
 // dQ of one step: dQ = dS K (64 x D x kBlockN, from shared memory), added into the fp32
 // accumulator [q_rows][Hq][D] (dq_accum; scaled and rounded by the conversion kernel in rows.cuh).
 // Two orders:
-//  * default: atomic adds (red.global.add.f32) in whatever order the CTAs reach a row: fast, but
+//  * default: vector reductions (red.global.add.v2.f32) in whatever order the CTAs reach a row: fast, but
 //    the float sums of a dQ element differ from run to run in the last bits;
 //  * deterministic: the contributions to a (batch, head, Q tile) are added in the order of the
 //    row's routes. A semaphore per (batch, head, Q tile) counts the routes added; the CTA of the
@@ -24,24 +24,40 @@ __device__ __forceinline__ void store_release(int* p, int v) {
   asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
-// Run by the dQ warpgroups (dq_tid: thread index among them). dS is in shared memory (st.ds).
-template <class T>
-__device__ __forceinline__ void accumulate_dq(typename T::SharedStorage& st, const Step& step,
-                                              const BackwardWorkspace& ws, std::int64_t packed_base,
-                                              const AttentionParams& a, const route::SeqInfo& si, int b,
-                                              bool deterministic, bool record_done, int dq_tid) {
-  constexpr int kHeadDim = T::kHeadDim, kThreads = 128 * T::kDqWarpgroups;
-  constexpr int kOrderBarrier = 1;  // named barrier of the dQ warpgroups (0 is __syncthreads)
+__device__ __forceinline__ void red_add_v2(float* p, float x, float y, bool pred) {
+  if (pred) asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+}
+
+// dQ = dS K of the step into `acc` (a fragment of T::MmaDQ over 64 x D), issued as one wgmma
+// group and not waited for: the caller waits where it needs the result. Run by the dQ warpgroups
+// (dq_tid: thread index among them). dS is in shared memory (st.ds).
+template <class T, class Acc>
+__device__ __forceinline__ void issue_dq_gemm(typename T::SharedStorage& st, Acc& acc, int dq_tid) {
   typename T::MmaDQ mma;
   auto thr = mma.get_thread_slice(dq_tid);
   Tensor sdS = make_tensor(make_smem_ptr(st.ds), typename T::SmemLayoutP{});
   Tensor sKt = make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutKt{});
-  Tensor tA = thr.partition_fragment_A(sdS);
-  Tensor tB = thr.partition_fragment_B(sKt);
-  Tensor acc = partition_fragment_C(mma, Shape<_64, Int<kHeadDim>>{});
-  wg_gemm<true, false>(mma, tA, tB, acc);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
+  wg_gemm<true, false>(mma, thr.partition_fragment_A(sdS), thr.partition_fragment_B(sKt), acc);
+}
+
+// Adds the step's completed dQ fragment into the fp32 accumulator. A thread holds, per row it
+// touches, pairs of adjacent columns (the wgmma accumulator layout: value mode 0 steps one
+// column, checked below), so each pair is one 8-byte vector reduction (red.global.add.v2.f32):
+// the four threads of a quad cover 32 contiguous bytes of a row, one full sector, and a thread
+// issues half as many reductions as with scalar atomics (whose sectors were half used).
+template <class T, class Acc>
+__device__ __forceinline__ void add_dq(const Acc& acc, const Step& step, const BackwardWorkspace& ws,
+                                       std::int64_t packed_base, const AttentionParams& a,
+                                       const route::SeqInfo& si, int b, bool deterministic, bool record_done,
+                                       int dq_tid) {
+  constexpr int kHeadDim = T::kHeadDim, kThreads = 128 * T::kDqWarpgroups;
+  constexpr int kOrderBarrier = 1;  // named barrier of the dQ warpgroups (0 is __syncthreads)
+  typename T::MmaDQ mma;
+  auto thr = mma.get_thread_slice(dq_tid);
+  Tensor c = thr.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+  static_assert(decltype(size(acc))::value % 2 == 0 &&
+                    cute::is_same_v<std::decay_t<decltype(stride<0, 0>(c.layout()))>, std::decay_t<decltype(E<1>{})>>,
+                "adjacent fragment values are adjacent columns of one row");
 
   const route::RouteParams& p = a.route;
   const int heads = p.heads_q;
@@ -52,14 +68,23 @@ __device__ __forceinline__ void accumulate_dq(typename T::SharedStorage& st, con
       }
     fwd::barrier_sync(kOrderBarrier, kThreads);
   }
-  Tensor c = thr.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+  // Addresses from the thread's first element plus compile-time offsets (the fragment's layout
+  // is static), so each reduction costs one 64-bit add at most.
   const int rows = si.seqlen_q - step.q0;
-  float* dst = ws.dq_accum + ((packed_base + step.q0) * heads + step.head) * kHeadDim;
-  CUTE_UNROLL
-  for (int e = 0; e < size(acc); ++e) {
-    const int row = get<0>(c(e));
-    if (row < rows) atomicAdd(dst + static_cast<std::int64_t>(row) * heads * kHeadDim + get<1>(c(e)), acc(e));
-  }
+  const std::int64_t row_stride = static_cast<std::int64_t>(heads) * kHeadDim;
+  const int row0 = get<0>(c(0)), col0 = get<1>(c(0));
+  float* base = ws.dq_accum + ((packed_base + step.q0 + row0) * heads + step.head) * kHeadDim + col0;
+  const auto add = [&](auto all_rows) {
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc); e += 2) {
+      const auto offset = c.layout()(e);  // (row, column) offset from element 0, compile-time
+      const int dr = get<0>(offset), dc = get<1>(offset);
+      red_add_v2(base + dr * row_stride + dc, acc(e), acc(e + 1), decltype(all_rows)::value || row0 + dr < rows);
+    }
+  };
+  // Block-uniform: every step but a sequence's last has all 64 rows (no predicates there).
+  if (rows >= 64) add(std::true_type{});
+  else add(std::false_type{});
   if (deterministic && record_done) {
     __threadfence();  // this thread's adds are performed before the semaphore moves on
     fwd::barrier_sync(kOrderBarrier, kThreads);

@@ -1,14 +1,17 @@
 // The SM90 backward kernel. One CTA per (KV tile, KV head, batch): K and V stay in shared memory
 // while the CTA walks, for every query head of the KV head's group, the Q tiles that attend this
-// KV tile (the column stream, steps.cuh) in steps of 64 rows. Per step, with Q, dO, LSE and delta
-// loaded a step ahead (loader.cuh):
-//   S = Q K^T and dP = dO V^T (both warpgroups, KV columns split); the forward's route mask
-//   (mask.cuh) on S; P = exp2(S * scale * log2(e) - LSE * log2(e)); dS = P (dP - delta); P and dS
-//   to shared memory; then dV += P^T dO (warpgroup 0), dK += dS^T Q (warpgroup 1) and dQ = dS K
-//   (dq.cuh: added to the fp32 accumulator, atomically or in route order).
+// KV tile (the column stream, steps.cuh) in steps of 64 rows. Per step:
+//   S = Q K^T and dP = dO V^T issued (both warpgroups, KV columns split); under them the walk
+//   finds the next step and its Q, dO, LSE and delta go into the other stage (loader.cuh); once S
+//   is complete the forward's route mask (mask.cuh) and P = exp2(S * scale * log2(e) - LSE *
+//   log2(e)), P to shared memory (stmatrix) while dP completes; dS = P (dP - delta) to shared
+//   memory; then dQ = dS K (dq.cuh) and dV += P^T dO (warpgroup 0), dK += dS^T Q (warpgroup 1),
+//   dQ's adds into the fp32 accumulator (vector reductions, or in route order) running under the
+//   dK / dV GEMM.
 // dK and dV stay in registers over the whole walk (the group's query heads summed there, GQA) and
-// are stored once (epilogue.cuh). No warp specialisation yet: all 256 threads load with cp.async
-// and then compute; the double buffer hides the loads of step i+1 under step i's GEMMs.
+// are stored once (epilogue.cuh). Two block-wide barriers per step (the stage has landed and the
+// previous step's GEMMs are done; P and dS are in shared memory). No warp specialisation yet: all
+// 256 threads load with cp.async and compute.
 #pragma once
 #include <cutlass/arch/barrier.h>
 
@@ -74,12 +77,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     fwd::cp_async_wait<0>();
     cutlass::arch::fence_view_async_shared();  // cp.async writes before the wgmma (async proxy) reads
     __syncthreads();  // every thread's loads landed; the previous step's GEMMs are done everywhere
-    Step next = step;
-    const bool have_next = walk.next(next);
-    if (have_next) {
-      load_step<T>(st, g, b, si, next, stage ^ 1, ws.lse_log2, ws.delta, q_rows, tid);
-      cp_async_commit();
-    }
 
     // Thread-dependent operand views are derived per step from an opaque thread index: hoisted
     // out of the step loop, their descriptors and addresses would stay live across it and spill.
@@ -102,19 +99,25 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
     Tensor tKVrA = thr_dkv.partition_fragment_A(sPt_or_dSt);
     Tensor tKVrB = thr_dkv.partition_fragment_B(sdOt_or_Qt);
-    Tensor tSsP = thr_sdp.partition_C(sP);
-    Tensor tSsdS = thr_sdp.partition_C(sdS);
 
     // S and dP.
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, Int<kBlockN>>{});
     Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<_64, Int<kBlockN>>{});
     wg_gemm<true, false>(mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS);
     wg_gemm<true, false>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, tdPrdP);
-    warpgroup_wait<0>();
+    // The next step (the walk reads its column record from global memory) and its loads into the
+    // other stage, while the tensor cores run S and dP: the stage's last readers (the previous
+    // step's GEMMs) completed before the barrier above.
+    Step next = step;
+    const bool have_next = walk.next(next);
+    if (have_next) {
+      load_step<T>(st, g, b, si, next, stage ^ 1, ws.lse_log2, ws.delta, q_rows, ltid);
+      cp_async_commit();
+    }
+    // S is complete (dP may still run): the route mask exactly as in the forward, P, and P to
+    // shared memory under the dP GEMM; then dS.
+    warpgroup_wait<1>();
     warpgroup_fence_operand(tSrS);
-    warpgroup_fence_operand(tdPrdP);
-
-    // The route mask exactly as in the forward; then P and dS in place of S and dP.
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, Int<kBlockN>>{}));
     Tensor s_rc = make_tensor(tSrS.data(), fwd::acc_rowcol(tSrS.layout()));
     Tensor dp_rc = make_tensor(tdPrdP.data(), fwd::acc_rowcol(tdPrdP.layout()));
@@ -135,29 +138,58 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     CUTE_UNROLL
     for (int r = 0; r < size<0>(s_rc); ++r) {
-      const int row = get<0>(c_rc(r, 0));
-      const float lse = st.lse_log2[stage][row], delta = st.delta[stage][row];
+      const float lse = st.lse_log2[stage][get<0>(c_rc(r, 0))];
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) {
-        const float prob = fwd::exp2_ftz(s_rc(r, c) * scale_log2 - lse);
-        s_rc(r, c) = prob;
-        dp_rc(r, c) = prob * (dp_rc(r, c) - delta);
-      }
+      for (int c = 0; c < size<1>(s_rc); ++c) s_rc(r, c) = fwd::exp2_ftz(s_rc(r, c) * scale_log2 - lse);
     }
+    // P and dS to shared memory in the input dtype by stmatrix (8 x 8 matrices, 16 bytes per
+    // thread and instruction).
+    auto copy_pds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto thr_copy = copy_pds.get_thread_slice(ltid);
+    {
+      Tensor rP = make_fragment_like<Element>(tSrS);
+      CUTE_UNROLL
+      for (int e = 0; e < size(tSrS); ++e) rP(e) = static_cast<Element>(tSrS(e));
+      cute::copy(copy_pds, thr_copy.retile_S(rP), thr_copy.partition_D(sP));
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tdPrdP);
     CUTE_UNROLL
-    for (int e = 0; e < size(tSrS); ++e) {
-      tSsP(e) = static_cast<Element>(tSrS(e));
-      tSsdS(e) = static_cast<Element>(tdPrdP(e));
+    for (int r = 0; r < size<0>(s_rc); ++r) {
+      const float delta = st.delta[stage][get<0>(c_rc(r, 0))];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - delta);
     }
-    cutlass::arch::fence_view_async_shared();  // P and dS (generic stores) before the wgmma reads
+    {
+      Tensor rdS = make_fragment_like<Element>(tdPrdP);
+      CUTE_UNROLL
+      for (int e = 0; e < size(tdPrdP); ++e) rdS(e) = static_cast<Element>(tdPrdP(e));
+      cute::copy(copy_pds, thr_copy.retile_S(rdS), thr_copy.partition_D(sdS));
+    }
+    cutlass::arch::fence_view_async_shared();  // P and dS (generic-proxy stores) before the wgmma reads
     __syncthreads();
 
     // dV or dK, and dQ.
-    wg_gemm<false, false>(mma_dkv, tKVrA, tKVrB(_, _, _, stage), acc_dkv);
     const bool record_done = !have_next || next.head != step.head || next.record != step.record;
-    if (wg >= T::kDqWarpgroup0)
-      accumulate_dq<T>(st, step, ws, packed_base, a, si, b, deterministic != 0, record_done,
-                       ltid - 128 * T::kDqWarpgroup0);
+    if constexpr (T::kDqFirst) {
+      // dQ first: its adds then run while the tensor cores work on dV / dK.
+      Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
+      issue_dq_gemm<T>(st, acc_dq, ltid);
+      wg_gemm<false, false>(mma_dkv, tKVrA, tKVrB(_, _, _, stage), acc_dkv);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc_dq);
+      add_dq<T>(acc_dq, step, ws, packed_base, a, si, b, deterministic != 0, record_done, ltid);
+    } else {
+      wg_gemm<false, false>(mma_dkv, tKVrA, tKVrB(_, _, _, stage), acc_dkv);
+      if (wg >= T::kDqWarpgroup0) {
+        const int dq_tid = ltid - 128 * T::kDqWarpgroup0;
+        Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
+        issue_dq_gemm<T>(st, acc_dq, dq_tid);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dq);
+        add_dq<T>(acc_dq, step, ws, packed_base, a, si, b, deterministic != 0, record_done, dq_tid);
+      }
+    }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dkv);
     step = next;

@@ -41,8 +41,29 @@ __device__ __forceinline__ void load_kv(typename T::SharedStorage& st, const Att
                            rows(a.v, a.v_batch_stride, a.v_token_stride, a.v_head_stride), a.v, tid);
 }
 
+// `valid` rows of kRows x D elements of a Q-like tensor into `tile` (a kRows x D view) from
+// `first`, the step's first row, rows token_stride elements apart (the offsets are linear in the
+// token); rows at or past `valid` are zero-filled (`first`, a valid address, is named, not read).
+// One address per thread and tensor, stepped by a stride per pass.
+template <class T, int kRows, class Tile>
+__device__ __forceinline__ void load_strided_rows(Tile tile, const typename T::Element* first, std::int64_t token_stride,
+                                                  int valid, int tid) {
+  constexpr int kChunks = T::kHeadDim / 8;
+  constexpr int kRowsPerPass = T::kThreads / kChunks;
+  static_assert(T::kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole rows per pass");
+  const int d = (tid % kChunks) * 8, r_first = tid / kChunks;
+  const typename T::Element* src = first + r_first * token_stride + d;
+  CUTE_UNROLL
+  for (int r0 = 0; r0 < kRows; r0 += kRowsPerPass) {
+    const bool in = r0 + r_first < valid;
+    cp_async_16(&tile(r0 + r_first, d), in ? src : first, in);
+    src += kRowsPerPass * token_stride;
+  }
+}
+
 // Q, dO, LSE * log2(e) and delta of one step into `stage`. lse_log2 / delta: [Hq][q_rows], the
-// packed row of (b, q) being q_base + q (varlen) or b * Sq + q.
+// packed row of (b, q) being q_base + q (varlen) or b * Sq + q. The step has at least one row in
+// the sequence (the walk stops at the sequence end).
 template <class T>
 __device__ __forceinline__ void load_step(typename T::SharedStorage& st, const BackwardParams& g, int b,
                                           const route::SeqInfo& si, const Step& s, int stage, const float* lse_log2,
@@ -52,18 +73,11 @@ __device__ __forceinline__ void load_step(typename T::SharedStorage& st, const B
   const int rows = min(64, si.seqlen_q - s.q0);
   Tensor sQ = make_tensor(make_smem_ptr(st.q), typename T::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(st.dout), typename T::SmemLayoutQ{});
-  load_rows<T, 64>(sQ(_, _, stage),
-                   [&](int r) -> const Element* {
-                     return r < rows ? static_cast<const Element*>(a.q) + a.q_offset(b, si, s.q0 + r, s.head) : nullptr;
-                   },
-                   a.q, tid);
-  load_rows<T, 64>(sdO(_, _, stage),
-                   [&](int r) -> const Element* {
-                     return r < rows ? static_cast<const Element*>(g.dout) +
-                                           g.q_like_offset(g.dout_strides, b, si, s.q0 + r, s.head)
-                                     : nullptr;
-                   },
-                   g.dout, tid);
+  load_strided_rows<T, 64>(sQ(_, _, stage), static_cast<const Element*>(a.q) + a.q_offset(b, si, s.q0, s.head),
+                           a.q_token_stride, rows, tid);
+  load_strided_rows<T, 64>(sdO(_, _, stage),
+                           static_cast<const Element*>(g.dout) + g.q_like_offset(g.dout_strides, b, si, s.q0, s.head),
+                           g.dout_strides.token, rows, tid);
   if (tid < 128) {
     const int r = tid % 64;
     const std::int64_t packed = (a.route.varlen_q ? si.q_base : static_cast<std::int64_t>(b) * a.route.max_seqlen_q) +

@@ -9,6 +9,8 @@
 // views of the same bytes (a K-major tile read as the MN-major operand), so P and dS are written
 // once and Q, dO are loaded once per step.
 #pragma once
+#include <cute/atom/copy_traits_sm90.hpp>
+
 #include "gpu/fwd/utils.cuh"
 
 namespace bsattn::gpu::bwd {
@@ -30,6 +32,9 @@ struct Traits {
   // dQ = dS K: split along D over both warpgroups where each half fills a 64-wide swizzle atom.
   static constexpr int kDqWarpgroups = kHeadDim >= 128 ? 2 : 1;
   static constexpr int kDqWarpgroup0 = 2 - kDqWarpgroups;  // first warpgroup that computes dQ
+  // dQ's GEMM issued before dK / dV's, its adds under theirs (both warpgroups compute dQ). Not at
+  // D 256: its 64 dQ accumulators per thread live beside dK / dV's 128 there spilled 4 bytes.
+  static constexpr bool kDqFirst = kDqWarpgroups == 2 && kHeadDim <= 128;
   static_assert(kHeadDim % 64 == 0 && (kBlockN == 64 || kBlockN == 128), "tile shape");
   // Registers: dK or dV of a warpgroup is kBlockN x D / 128 floats per thread.
   static_assert(kBlockN * kHeadDim <= 128 * 128, "dK / dV accumulators would not fit in registers");
