@@ -464,8 +464,6 @@ void Plan::Impl::run_decode_splits(const AttentionParams& a, const gpu::TokenExt
   partial.lse_token_stride = 1;
   partial.lse_head_stride = Sq;
   partial.lse_batch_stride = H * Sq;
-  decode.partial_out = ws.partial_out;
-  decode.partial_lse = ws.partial_lse;
   decode.out_split_step = B * Sq * H * D;
   decode.lse_split_step = B * H * Sq;
   AttentionParams splits = a;

@@ -17,13 +17,12 @@ struct TokenExtents {
 // The decode kernel's shape (fwd/decode.cuh), chosen at plan time: a tile's 64 rows are
 // `packed_heads` query heads of one KV group (a power of two) times 64 / packed_heads tokens (the
 // route tile_m), and each (route row, head group) is cut into `kv_splits` work items over its
-// routes. With splits, the kernel writes fp32 partial O and LSE (laid out as the outputs, split
-// after split, `out_split_step` / `lse_split_step` elements apart) that merge_states combines.
+// routes. With splits, the kernel writes fp32 partial O and LSE where the params' O and LSE point
+// (laid out as the outputs, split after split, `out_split_step` / `lse_split_step` elements
+// apart), and the caller combines them with merge_states.
 struct DecodeShape {
   int packed_heads = 1;
   int kv_splits = 1;
-  float* partial_out = nullptr;  // [kv_splits, q rows, Hq, D] fp32 when kv_splits > 1
-  float* partial_lse = nullptr;  // [kv_splits, B, Hq, Sq] fp32
   std::int64_t out_split_step = 0, lse_split_step = 0;
 };
 
