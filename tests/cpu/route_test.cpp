@@ -2,6 +2,7 @@
 // built-in mask classification, on hand-built RouteParams.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -310,6 +311,59 @@ TEST(RouteTest, CursorWalksEveryFormatInAscendingOrder) {
   EXPECT_EQ(walk(set), want);
   p.format = SetFormat::all_blocks;
   EXPECT_EQ(walk(set).size(), 40u);
+}
+
+// take_word (a whole word at once for all blocks and bitmasks) and skip_to (one advance from the
+// block before) against the cursor advanced one block at a time, on random sets with junk list
+// entries and bad counts, at random ascending positions, aligned to 32 or not.
+TEST(RouteTest, TakeWordAndSkipToMatchOneBlockAtATime) {
+  std::mt19937 rng(11);
+  const auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int trial = 0; trial < 3000; ++trial) {
+    const int nkb = uni(1, 200), words = (nkb + 31) / 32 + 1;
+    RouteParams p = geometry(16, 16 * nkb - uni(0, 15), 16, 16, 16, 16);
+    const bsattn::route::SeqInfo s = bsattn::route::seq_info(p, 0);
+    std::vector<std::int32_t> indptr{0, 0}, indices;
+    std::vector<std::uint32_t> bits(words, 0);
+    const int density = uni(0, 100);
+    for (int b = 0; b < nkb + 40; ++b)
+      if (uni(1, 100) <= density) {
+        indices.push_back(uni(0, 10) == 0 ? uni(-3, nkb + 3) : b);
+        bits[b / 32 % words] |= 1u << (b % 32);
+      }
+    if (uni(0, 3) == 0) std::shuffle(indices.begin(), indices.end(), rng);
+    indptr[1] = uni(0, 5) == 0 ? uni(-2, static_cast<int>(indices.size())) : static_cast<int>(indices.size());
+    indices.resize(indices.size() + 1);
+    bsattn::route::BlockSetParams set;
+    const int format = uni(0, 2);
+    p.format = format == 0 ? SetFormat::all_blocks : format == 1 ? SetFormat::bsr : SetFormat::bitmask;
+    set.indptr = indptr.data();
+    set.indices = indices.data();
+    set.bits = bits.data();
+    set.bits_stride[3] = 1;
+    std::vector<int> walked;  // the blocks of the set, one advance at a time
+    for (BlockCursor c = BlockCursor::open(p, set, s, 0, 0, 0); c.current() != BlockCursor::kEnd; c.advance())
+      walked.push_back(c.current());
+    BlockCursor c = BlockCursor::open(p, set, s, 0, 0, 0);
+    std::size_t k = 0;  // the walk's position matching c
+    for (int at = 0; at < nkb + 40 && !HasFailure(); at += uni(0, 3) ? uni(1, 32) : 32) {
+      SCOPED_TRACE("trial " + std::to_string(trial) + ", block " + std::to_string(at));
+      const int op = uni(0, 4);
+      if (op == 0) {
+        c.skip_to(at);
+        while (k < walked.size() && walked[k] < at) ++k;
+      } else if (op == 1 && k < walked.size()) {
+        c.advance();
+        ++k;
+      } else {
+        std::uint32_t want = 0;
+        while (k < walked.size() && walked[k] < at) ++k;
+        for (; k < walked.size() && walked[k] < at + 32; ++k) want |= 1u << (walked[k] - at);
+        EXPECT_EQ(c.take_word(at), want);
+      }
+      EXPECT_EQ(c.current(), k < walked.size() ? walked[k] : BlockCursor::kEnd);
+    }
+  }
 }
 
 }  // namespace

@@ -1,4 +1,0 @@
-// Forward kernels for bf16, head dim 256 (KV tile widths: 64).
-#include "gpu/fwd/instantiate.cuh"
-
-BSATTN_FORWARD_FAMILY(bf16_d256, cute::bfloat16_t, 256, 64)

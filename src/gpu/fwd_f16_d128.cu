@@ -1,4 +1,0 @@
-// Forward kernels for f16, head dim 128 (KV tile widths: 64, 128).
-#include "gpu/fwd/instantiate.cuh"
-
-BSATTN_FORWARD_FAMILY(f16_d128, cute::half_t, 128, 64, 128)

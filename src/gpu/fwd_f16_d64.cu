@@ -1,4 +1,0 @@
-// Forward kernels for f16, head dim 64 (KV tile widths: 64, 128).
-#include "gpu/fwd/instantiate.cuh"
-
-BSATTN_FORWARD_FAMILY(f16_d64, cute::half_t, 64, 64, 128)
