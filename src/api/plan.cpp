@@ -22,7 +22,6 @@
 #include "gpu/backward.hpp"
 #include "gpu/device_guard.hpp"
 #include "gpu/device_info.hpp"
-#include "gpu/merge_states.hpp"
 #include "gpu/prepare_routes.hpp"
 #endif
 
@@ -105,9 +104,11 @@ struct DeviceWorkspace {
   std::int32_t* cu_total_m_blocks = nullptr;
   std::int32_t* cu_block_idx_offsets = nullptr;
   route::Route* routes = nullptr;
-  // The decode kernel's fp32 partial results when it splits KV (TileShape::kv_splits > 1).
+  // The decode kernel's fp32 partial results when it splits KV (TileShape::kv_splits > 1), and its
+  // arrival counts per (route row, head group), zeroed here once (the kernel leaves them zero).
   float* partial_out = nullptr;
   float* partial_lse = nullptr;
+  std::int32_t* split_arrivals = nullptr;
   // The backward's storage (gpu/backward.hpp), after the routes; empty when `backward_refused`
   // says why this problem has no GPU backward.
   gpu::BackwardWorkspace backward;
@@ -126,9 +127,10 @@ struct DeviceWorkspace {
     }
   }
 
-  // `partial_floats`: the decode splits' partial O and LSE (0 without splits).
+  // `partial_*_floats`: the decode splits' partial O and LSE, `split_units` their (route row, head
+  // group) pairs (0 without splits).
   void allocate(int dev, std::int64_t rows, int capacity, int batch, const gpu::BackwardGeometry* backward_geometry,
-                std::size_t partial_out_floats, std::size_t partial_lse_floats) {
+                std::size_t partial_out_floats, std::size_t partial_lse_floats, std::size_t split_units) {
     device = dev;
     const auto align = [](std::size_t x) { return (x + 255) / 256 * 256; };
     const std::size_t off_counts = 256;
@@ -138,7 +140,8 @@ struct DeviceWorkspace {
     const std::size_t off_routes = off_cu_idx + align((batch + 1) * sizeof(std::int32_t));
     const std::size_t off_partial_out = align(off_routes + static_cast<std::size_t>(rows) * capacity * sizeof(route::Route));
     const std::size_t off_partial_lse = off_partial_out + align(partial_out_floats * sizeof(float));
-    const std::size_t off_backward = off_partial_lse + align(partial_lse_floats * sizeof(float));
+    const std::size_t off_arrivals = off_partial_lse + align(partial_lse_floats * sizeof(float));
+    const std::size_t off_backward = off_arrivals + align(split_units * sizeof(std::int32_t));
     bytes = off_backward + (backward_geometry ? gpu::BackwardWorkspace::bytes(*backward_geometry) : 0);
     DeviceGuard guard(dev);
     cuda_check(cudaMalloc(&base, bytes), "cudaMalloc (plan workspace)");
@@ -154,6 +157,8 @@ struct DeviceWorkspace {
     if (partial_out_floats > 0) {
       partial_out = reinterpret_cast<float*>(p + off_partial_out);
       partial_lse = reinterpret_cast<float*>(p + off_partial_lse);
+      split_arrivals = reinterpret_cast<std::int32_t*>(p + off_arrivals);
+      cuda_check(cudaMemset(split_arrivals, 0, split_units * sizeof(std::int32_t)), "cudaMemset (plan workspace)");
     }
     if (backward_geometry) backward.carve(p + off_backward, *backward_geometry);
     cuda_check(cudaMemset(overflow, 0, kFlagBytes), "cudaMemset (plan workspace)");
@@ -324,8 +329,10 @@ void Plan::plan(const Problem& problem) {
                                     ? problem.total_q
                                     : static_cast<std::int64_t>(problem.batch) * problem.max_seqlen_q;
     const std::size_t partial_rows = t.kv_splits > 1 ? static_cast<std::size_t>(t.kv_splits * q_rows * problem.heads_q) : 0;
+    const std::size_t split_units =
+        t.kv_splits > 1 ? static_cast<std::size_t>(rows * (problem.heads_q / geo.sparsity_heads / t.packed_heads)) : 0;
     ws.allocate(problem.device_index, rows, next->capacity, problem.batch, has_backward ? &backward : nullptr,
-                partial_rows * problem.head_dim, partial_rows);
+                partial_rows * problem.head_dim, partial_rows, split_units);
     {
       DeviceGuard guard(problem.device_index);
       const ElementType et = problem.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16;
@@ -418,7 +425,10 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   // Longest rows first only matters when work items queue for multiprocessors; with fewer (a
   // decode step: a few rows, split over the SMs) the rows run in index order and the sort's
   // launch (a few us of a ~20 us step) is saved.
-  const std::int64_t items_at_most = static_cast<std::int64_t>(a.route_rows) * (p.heads_q / p.sparsity_heads) *
+  // (The decode kernel packs packed_heads query heads into an item: counting them one by one made a
+  // B = 1 step with 8 KV heads x 16 splits look like 512 items and sort for 3 us.)
+  const std::int64_t items_at_most = static_cast<std::int64_t>(a.route_rows) *
+                                     (p.heads_q / p.sparsity_heads / std::max(1, tiles.packed_heads)) *
                                      std::max(1, tiles.kv_splits);
   if (items_at_most > gpu::multiprocessors(problem.device_index))
     cuda_check(gpu::order_rows_longest_first(ws.counts, a.route_rows, ws.row_order, s), "order_rows_longest_first");
@@ -447,61 +457,38 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
 
 // Split-KV decode: the kernel writes each split's normalised O and LSE in fp32, laid out as the
 // outputs (batched [B, Sq, H, D] / [B, H, Sq], varlen [total_q, H, D] / [H, total_q]) split after
-// split, and merge_states combines them into the caller's outputs (skipped, like the kernel, after
-// a route overflow; varlen rows past the sequences left alone, as the kernel leaves them).
+// split, and the last split of each (route row, head group) merges them into the caller's outputs
+// (fwd/decode.cuh merge_splits; nothing after a route overflow, and varlen rows past the
+// sequences left alone, as the kernel leaves them).
 void Plan::Impl::run_decode_splits(const AttentionParams& a, const gpu::TokenExtents& extents,
                                    gpu::DecodeShape& decode, cudaStream_t s) {
   DeviceWorkspace& ws = *device;
   const bool varlen = a.route.varlen_q;
   const std::int64_t B = varlen ? 1 : problem.batch, Sq = varlen ? problem.total_q : problem.max_seqlen_q;
   const std::int64_t H = problem.heads_q, D = problem.head_dim;
-  merge::Layout partial;
-  partial.out = ws.partial_out;
-  partial.out_head_stride = D;
-  partial.out_token_stride = H * D;
-  partial.out_batch_stride = Sq * H * D;
-  partial.lse = ws.partial_lse;
-  partial.lse_token_stride = 1;
-  partial.lse_head_stride = Sq;
-  partial.lse_batch_stride = H * Sq;
   decode.out_split_step = B * Sq * H * D;
   decode.lse_split_step = B * H * Sq;
   AttentionParams splits = a;
-  splits.out = partial.out;
+  splits.out = ws.partial_out;
   splits.out_type = ElementType::f32;
-  splits.out_batch_stride = partial.out_batch_stride;
-  splits.out_token_stride = partial.out_token_stride;
-  splits.out_head_stride = partial.out_head_stride;
-  splits.lse = partial.lse;
-  splits.lse_batch_stride = partial.lse_batch_stride;
-  splits.lse_head_stride = partial.lse_head_stride;
-  splits.lse_token_stride = partial.lse_token_stride;
+  splits.out_batch_stride = Sq * H * D;
+  splits.out_token_stride = H * D;
+  splits.out_head_stride = D;
+  splits.lse = ws.partial_lse;
+  splits.lse_batch_stride = H * Sq;
+  splits.lse_head_stride = Sq;
+  splits.lse_token_stride = 1;
+  decode.result_type = a.out_type;
+  decode.result.out = a.out;
+  decode.result.out_batch_stride = varlen ? 0 : a.out_batch_stride;  // varlen: one batch of total_q rows
+  decode.result.out_token_stride = a.out_token_stride;
+  decode.result.out_head_stride = a.out_head_stride;
+  decode.result.lse = a.lse;
+  decode.result.lse_batch_stride = varlen ? 0 : a.lse_batch_stride;
+  decode.result.lse_head_stride = a.lse_head_stride;
+  decode.result.lse_token_stride = a.lse_token_stride;
+  decode.split_arrivals = ws.split_arrivals;
   cuda_check(gpu::run_forward(splits, extents, ws.overflow, s, &decode), "forward kernel launch");
-  merge::MergeParams m;
-  m.type = ElementType::f32;
-  m.result_type = a.out_type;
-  m.parts = decode.kv_splits;
-  m.head_dim = problem.head_dim;
-  m.batch = B;
-  m.tokens = Sq;
-  m.heads = H;
-  m.first = m.second = partial;
-  m.out_part_step = decode.out_split_step;
-  m.lse_part_step = decode.lse_split_step;
-  m.result.out = a.out;
-  m.result.out_batch_stride = a.out_batch_stride;
-  m.result.out_token_stride = a.out_token_stride;
-  m.result.out_head_stride = a.out_head_stride;
-  m.result.lse = a.lse;
-  m.result.lse_batch_stride = a.lse_batch_stride;
-  m.result.lse_head_stride = a.lse_head_stride;
-  m.result.lse_token_stride = a.lse_token_stride;
-  if (varlen) {  // one batch of total_q rows (the kernel's varlen offsets ignore batch strides)
-    m.result.out_batch_stride = m.result.lse_batch_stride = 0;
-    m.tokens_valid = a.route.cu_seqlens_q + problem.batch;
-  }
-  m.skip_if = ws.overflow;
-  cuda_check(gpu::merge_states(m, s), "merge_states (decode splits)");
 }
 
 // Clears the overflow flag and work counter, derives varlen offsets when not given, binds the

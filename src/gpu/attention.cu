@@ -1,88 +1,80 @@
 #include "gpu/attention.hpp"
 
-namespace bsattn::gpu {
-namespace fwd {
-#define BSATTN_DECLARE_FAMILY(NAME) \
-  cudaError_t run_##NAME(const AttentionParams* a, int tile_m, int block_n, const TokenExtents& extents, \
-                         const int* overflow, cudaStream_t s, const DecodeShape* decode);
-BSATTN_DECLARE_FAMILY(bf16_d64)
-BSATTN_DECLARE_FAMILY(bf16_d128)
-BSATTN_DECLARE_FAMILY(bf16_d256)
-BSATTN_DECLARE_FAMILY(f16_d64)
-BSATTN_DECLARE_FAMILY(f16_d128)
-BSATTN_DECLARE_FAMILY(f16_d256)
-BSATTN_DECLARE_FAMILY(proxy_bf16_d128)
-BSATTN_DECLARE_FAMILY(proxy_f16_d128)
-#undef BSATTN_DECLARE_FAMILY
-}  // namespace fwd
+#include "gpu/fwd/kernel_set.hpp"
 
+namespace bsattn::gpu {
 namespace {
 
-using Family = cudaError_t (*)(const AttentionParams*, int, int, const TokenExtents&, const int*, cudaStream_t,
-                               const DecodeShape*);
+using fwd::KernelKind;
+using Kernels = cudaError_t (*)(const AttentionParams*, const TokenExtents&, const int*, cudaStream_t,
+                                const DecodeShape*);
 
-// The compiled proxy family (SPEC §6) for (dtype, head dim): f16 and bf16 at D = 128 so far.
-Family proxy_family(ElementType t, int d) {
-#ifdef BSATTN_FWD_PROXY_BF16_D128
-  if (t == ElementType::bf16 && d == 128) return &fwd::run_proxy_bf16_d128;
-#endif
-#ifdef BSATTN_FWD_PROXY_F16_D128
-  if (t == ElementType::f16 && d == 128) return &fwd::run_proxy_f16_d128;
-#endif
-  (void)t;
-  (void)d;
+// The kernels of (width, kind) among those src/gpu/CMakeLists.txt generates for a compiled
+// (dtype, head dim): widths 64 and 128 (D <= 128) or 64; no decode kind with proxy compensation.
+template <ElementType kType, int kHeadDim, bool kProxy>
+Kernels kernels_of(int block_n, KernelKind kind) {
+  const auto of_width = [&](auto width) -> Kernels {
+    constexpr int kN = decltype(width)::value;
+    switch (kind) {
+      case KernelKind::decode:
+        if constexpr (kProxy) return nullptr;
+        else return &fwd::run_kernels<kType, kHeadDim, kN, false, KernelKind::decode>;
+      case KernelKind::rows64: return &fwd::run_kernels<kType, kHeadDim, kN, kProxy, KernelKind::rows64>;
+      case KernelKind::rows128: return &fwd::run_kernels<kType, kHeadDim, kN, kProxy, KernelKind::rows128>;
+    }
+    return nullptr;
+  };
+  if (block_n == 64) return of_width(std::integral_constant<int, 64>{});
+  if constexpr (kHeadDim <= 128) {
+    if (block_n == 128) return of_width(std::integral_constant<int, 128>{});
+  }
   return nullptr;
 }
 
-// The compiled family for (dtype, head dim, proxy compensation); null when the build left it out.
-Family family(ElementType t, int d, bool proxy) {
-  if (proxy) return proxy_family(t, d);
-#define BSATTN_FAMILY(DT, TYPE, D)                                         \
-  if (t == ElementType::TYPE && d == D) return BSATTN_FAMILY_PTR_##DT##_##D;
+// Whether the build compiled (dtype, head dim, proxy compensation): BSATTN_FWD_<DT>_D<D> and
+// BSATTN_FWD_PROXY_<DT>_D<D> (src/gpu/CMakeLists.txt). `block_n` 0: any width (a family check).
+Kernels compiled_kernels(ElementType t, int d, bool proxy, int block_n, KernelKind kind) {
+  if (block_n == 0) block_n = 64;
 #ifdef BSATTN_FWD_BF16_D64
-#define BSATTN_FAMILY_PTR_bf16_64 &fwd::run_bf16_d64
-#else
-#define BSATTN_FAMILY_PTR_bf16_64 nullptr
+  if (t == ElementType::bf16 && d == 64 && !proxy) return kernels_of<ElementType::bf16, 64, false>(block_n, kind);
 #endif
 #ifdef BSATTN_FWD_BF16_D128
-#define BSATTN_FAMILY_PTR_bf16_128 &fwd::run_bf16_d128
-#else
-#define BSATTN_FAMILY_PTR_bf16_128 nullptr
+  if (t == ElementType::bf16 && d == 128 && !proxy) return kernels_of<ElementType::bf16, 128, false>(block_n, kind);
 #endif
 #ifdef BSATTN_FWD_BF16_D256
-#define BSATTN_FAMILY_PTR_bf16_256 &fwd::run_bf16_d256
-#else
-#define BSATTN_FAMILY_PTR_bf16_256 nullptr
+  if (t == ElementType::bf16 && d == 256 && !proxy) return kernels_of<ElementType::bf16, 256, false>(block_n, kind);
 #endif
 #ifdef BSATTN_FWD_F16_D64
-#define BSATTN_FAMILY_PTR_f16_64 &fwd::run_f16_d64
-#else
-#define BSATTN_FAMILY_PTR_f16_64 nullptr
+  if (t == ElementType::f16 && d == 64 && !proxy) return kernels_of<ElementType::f16, 64, false>(block_n, kind);
 #endif
 #ifdef BSATTN_FWD_F16_D128
-#define BSATTN_FAMILY_PTR_f16_128 &fwd::run_f16_d128
-#else
-#define BSATTN_FAMILY_PTR_f16_128 nullptr
+  if (t == ElementType::f16 && d == 128 && !proxy) return kernels_of<ElementType::f16, 128, false>(block_n, kind);
 #endif
 #ifdef BSATTN_FWD_F16_D256
-#define BSATTN_FAMILY_PTR_f16_256 &fwd::run_f16_d256
-#else
-#define BSATTN_FAMILY_PTR_f16_256 nullptr
+  if (t == ElementType::f16 && d == 256 && !proxy) return kernels_of<ElementType::f16, 256, false>(block_n, kind);
 #endif
-  BSATTN_FAMILY(bf16, bf16, 64)
-  BSATTN_FAMILY(bf16, bf16, 128)
-  BSATTN_FAMILY(bf16, bf16, 256)
-  BSATTN_FAMILY(f16, f16, 64)
-  BSATTN_FAMILY(f16, f16, 128)
-  BSATTN_FAMILY(f16, f16, 256)
-#undef BSATTN_FAMILY
+#ifdef BSATTN_FWD_PROXY_BF16_D128
+  if (t == ElementType::bf16 && d == 128 && proxy) return kernels_of<ElementType::bf16, 128, true>(block_n, kind);
+#endif
+#ifdef BSATTN_FWD_PROXY_F16_D128
+  if (t == ElementType::f16 && d == 128 && proxy) return kernels_of<ElementType::f16, 128, true>(block_n, kind);
+#endif
+  (void)t;
+  (void)d;
+  (void)proxy;
+  (void)block_n;
+  (void)kind;
   return nullptr;
+}
+
+KernelKind kind_of(int tile_m, bool decode) {
+  return decode ? KernelKind::decode : tile_m == 128 ? KernelKind::rows128 : KernelKind::rows64;
 }
 
 }  // namespace
 
 int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy, bool decode) {
-  if (!family(dtype, head_dim, proxy) || (decode && proxy)) return 0;
+  if (!compiled_kernels(dtype, head_dim, proxy, 0, KernelKind::rows64) || (decode && proxy)) return 0;
   if (decode ? tile_m != 16 && tile_m != 32 && tile_m != 64 : tile_m != 64 && tile_m != 128) return 0;
   if (tile_n <= 0 || tile_n % 16 != 0) return 0;
   if (tile_n <= 64) return 64;
@@ -91,21 +83,23 @@ int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile
 }
 
 cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy, bool decode) {
-  const Family f = family(dtype, head_dim, proxy);
   const int block_n = forward_kernel_block_n(dtype, head_dim, tile_m, tile_n, proxy, decode);
-  if (!f || block_n == 0) return cudaErrorInvalidValue;
+  const Kernels k = block_n ? compiled_kernels(dtype, head_dim, proxy, block_n, kind_of(tile_m, decode)) : nullptr;
+  if (!k) return cudaErrorInvalidValue;
   const DecodeShape shape;
-  return f(nullptr, tile_m, block_n, TokenExtents{}, nullptr, nullptr, decode ? &shape : nullptr);
+  return k(nullptr, TokenExtents{}, nullptr, nullptr, decode ? &shape : nullptr);
 }
 
 cudaError_t run_forward(const AttentionParams& a, const TokenExtents& extents, const int* overflow,
                         cudaStream_t stream, const DecodeShape* decode) {
   const bool proxy = a.route.proxy_mode != 0;
-  const Family f = family(a.in_type, a.head_dim, proxy);
   const int block_n =
       forward_kernel_block_n(a.in_type, a.head_dim, a.route.tile_m, a.route.tile_n, proxy, decode != nullptr);
-  if (!f || block_n == 0) return cudaErrorInvalidValue;
-  return f(&a, a.route.tile_m, block_n, extents, overflow, stream, decode);
+  const Kernels k =
+      block_n ? compiled_kernels(a.in_type, a.head_dim, proxy, block_n, kind_of(a.route.tile_m, decode != nullptr))
+              : nullptr;
+  if (!k) return cudaErrorInvalidValue;
+  return k(&a, extents, overflow, stream, decode);
 }
 
 }  // namespace bsattn::gpu

@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "api/merge_params.hpp"
 #include "bsattn/attention_params.hpp"
 
 namespace bsattn::gpu {
@@ -19,11 +20,16 @@ struct TokenExtents {
 // route tile_m), and each (route row, head group) is cut into `kv_splits` work items over its
 // routes. With splits, the kernel writes fp32 partial O and LSE where the params' O and LSE point
 // (laid out as the outputs, split after split, `out_split_step` / `lse_split_step` elements
-// apart), and the caller combines them with merge_states.
+// apart), and the last split of each (route row, head group) to finish merges them into `result`
+// (of `result_type`), counting arrivals in `split_arrivals` (one int per (route row, head group),
+// zero before the launch and left zero after it).
 struct DecodeShape {
   int packed_heads = 1;
   int kv_splits = 1;
   std::int64_t out_split_step = 0, lse_split_step = 0;
+  merge::Layout result;
+  ElementType result_type = ElementType::bf16;
+  std::int32_t* split_arrivals = nullptr;
 };
 
 // KV tile width of the kernel that serves a route tile_n (the smallest compiled width >= tile_n),

@@ -49,6 +49,7 @@ struct WsConfig {
     typename T::SharedStorage tiles;
     PipelineBarriers<T::kStages, T::kWarpgroups> bars;
     Tile tile[2];  // work tiles handed from the tile warp to the loader and consumers (slot t % 2: tile t)
+    SplitMerge split_merge;  // decode split-KV: the tile's merge job (merge_splits)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
 };
@@ -102,6 +103,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     }
     cutlass::arch::fence_barrier_init();
     sm.tile[0].written = sm.tile[1].written = 0;
+    sm.split_merge.pending = 0;
   }
   if constexpr (kPair) cluster_sync_threads();  // the peer's barriers are initialised before any use
   else __syncthreads();
@@ -302,7 +304,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     // What the epilogue needs of the slot, read before the next tile is taken: racecheck did not
     // follow the slot's release (kTileEmpty) for reads between taking the next tile and it.
     route::SeqInfo out_si;
-    int out_b = 0;
+    int out_b = 0, out_unit = 0;
     OutputShift shift;  // a decode split writes its partial result
     const auto take_next = [&]() {
       out_si = si;
@@ -310,6 +312,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       if constexpr (T::kDecode) {
         shift.out = tile.split * desc.decode.out_split_step;
         shift.lse = tile.split * desc.decode.lse_split_step;
+        out_unit = tile.item / desc.decode.kv_splits;
       }
       return take_tile(t + 1);
     };
@@ -395,6 +398,10 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       }
       store_output<kHeadDim>(o_rc, co_rc, lse, stage, a, desc.tma_out ? &desc.o : nullptr, out_si, out_b, head,
                              q_begin, tile_rows, shift, ltid, wg_barrier);
+      if constexpr (T::kDecode) {
+        if (ltid == 0 && desc.decode.kv_splits > 1)
+          sm.split_merge = SplitMerge{1, 0, out_unit, out_b, head, q_begin, out_si};
+      }
     }
     if (count > 0) {
       cutlass::arch::fence_view_async_shared();  // the staging accesses before the next bulk copies
@@ -407,6 +414,11 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     barrier_arrive(kTileEmpty + (t & 1), handoff_threads);  // done with the slot
   }
   warpgroup_wait<0>();  // a discarded S GEMM after the last tile
+  if constexpr (T::kDecode) {
+    if (desc.decode.kv_splits > 1)
+      merge_splits<kHeadDim>(a, desc.decode, sm.split_merge, TileRows<true>{desc.decode.tokens_log2}.tokens(),
+                             opaque_thread_index() % 128, wg_barrier);
+  }
   bulk_store_wait<false>();  // O's bulk stores have completed before the CTA exits
   leave();
 #endif

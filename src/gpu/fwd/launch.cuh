@@ -78,8 +78,11 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
   desc.tma = !no_tma && encode_maps<T>(*a, extents, desc) ? 1 : 0;
   // Persistent: one CTA per multiprocessor (the kernel's shared memory allows no second one).
-  // BSATTN_GPU_CTA_PER_TILE=1 launches one CTA per work item instead (measurement switch).
-  static const bool cta_per_tile = std::getenv("BSATTN_GPU_CTA_PER_TILE") != nullptr;
+  // BSATTN_GPU_CTA_PER_TILE=1 launches one CTA per work item instead (measurement switch). A
+  // split-KV decode launch always has one CTA per item: its merge runs after the tile loop from a
+  // single job (decode.cuh, merge_splits); the plan chooses splits so that the items fit the SMs.
+  static const bool cta_per_tile_switch = std::getenv("BSATTN_GPU_CTA_PER_TILE") != nullptr;
+  const bool cta_per_tile = cta_per_tile_switch || (T::kDecode && decode.kv_splits > 1);
   if constexpr (T::kPairMulticast) {
     if (!desc.tma) return cudaErrorNotSupported;
     PairLaunch<T> launch(2 * (cta_per_tile ? items : std::min(items, resident_pairs<T>(device, sms))), stream);
