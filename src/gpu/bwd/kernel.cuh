@@ -7,7 +7,7 @@
 //   log2(e)), P to shared memory (stmatrix) while dP completes; dS = P (dP - delta) to shared
 //   memory; then dQ = dS K (dq.cuh) and dV += P^T dO (warpgroup 0), dK += dS^T Q (warpgroup 1),
 //   dQ's adds into the fp32 accumulator (vector reductions, or in route order) running under the
-//   dK / dV GEMM.
+//   dK / dV GEMM (D 256: after it; Traits::kDqFirst).
 // dK and dV stay in registers over the whole walk (the group's query heads summed there, GQA) and
 // are stored once (epilogue.cuh). Two block-wide barriers per step (the stage has landed and the
 // previous step's GEMMs are done; P and dS are in shared memory). No warp specialisation yet: all
@@ -179,6 +179,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_dq);
       add_dq<T>(acc_dq, step, ws, packed_base, a, si, b, deterministic != 0, record_done, ltid);
+    } else if constexpr (T::kDqWarpgroups == 1) {
+      // D 64: warpgroup 1 alone computes dQ; it issues dQ first and adds under its dK GEMM.
+      if (wg == 1) {
+        Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
+        issue_dq_gemm<T>(st, acc_dq, ltid - 128);
+        wg_gemm<false, false>(mma_dkv, tKVrA, tKVrB(_, _, _, stage), acc_dkv);
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(acc_dq);
+        add_dq<T>(acc_dq, step, ws, packed_base, a, si, b, deterministic != 0, record_done, ltid - 128);
+      } else {
+        wg_gemm<false, false>(mma_dkv, tKVrA, tKVrB(_, _, _, stage), acc_dkv);
+      }
     } else {
       wg_gemm<false, false>(mma_dkv, tKVrA, tKVrB(_, _, _, stage), acc_dkv);
       if (wg >= T::kDqWarpgroup0) {
