@@ -39,7 +39,7 @@ void merge_token_row(const merge::MergeParams& p, std::int64_t row) {
       }
       const float inv_sum = a.inv_sum();
       for (int d = 0; d < n; ++d) acc[d] *= inv_sum;
-      cpu::detail::store_row(p.result.out, p.result.out_offset(b, s, h) + d0, n, p.result_type, acc);
+      cpu::detail::store_row(p.result.out, p.result.out_offset(b, s, h) + d0, n, p.type, acc);
     }
     if (p.result.lse) p.result.lse[p.result.lse_offset(b, s, h)] = a.lse();
   }

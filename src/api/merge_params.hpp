@@ -28,8 +28,7 @@ struct Layout {
 };
 
 struct MergeParams {
-  ElementType type = ElementType::bf16;         // every part's O
-  ElementType result_type = ElementType::bf16;  // the output O (the decode kernel's fp32 splits: another)
+  ElementType type = ElementType::bf16;  // every part's O and the output O
   int parts = 0;
   int head_dim = 0;
   std::int64_t batch = 0, tokens = 0, heads = 0;  // varlen: batch 1, tokens = total
@@ -40,12 +39,6 @@ struct MergeParams {
   Layout first, second;
   std::int64_t out_part_step = 0, lse_part_step = 0;
   Layout result;
-  // The GPU merge writes nothing while this device flag is set (the decode kernel's splits after a
-  // route overflow, when the kernel wrote nothing either); null: always merge.
-  const std::int32_t* skip_if = nullptr;
-  // The GPU merge leaves rows (tokens) at or past this device value alone (the decode kernel's
-  // varlen splits: cu_seqlens_q[B], rows past the sequences are not outputs); null: every row.
-  const std::int32_t* tokens_valid = nullptr;
 
   BSATTN_HD std::int64_t items() const { return batch * tokens * heads; }
   BSATTN_HD const Layout& part(int i) const { return i == 0 ? first : second; }

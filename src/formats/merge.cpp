@@ -153,7 +153,6 @@ merge::MergeParams bind_merge(const std::vector<MergePart>& parts, bool stacked,
                               const TensorView& lse) {
   merge::MergeParams p;
   p.type = element_type(out.dtype);
-  p.result_type = p.type;
   const int lead = stacked ? 1 : 0;
   const TensorView& o = *parts.front().out;
   p.parts = stacked ? static_cast<int>(o.shape[0]) : static_cast<int>(parts.size());

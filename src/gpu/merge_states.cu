@@ -82,19 +82,16 @@ __device__ __forceinline__ Item locate(const merge::MergeParams& p, std::int64_t
   it.b = static_cast<int>(b);
   it.s = static_cast<int>(s);
   it.h = static_cast<int>(h);
-  if (p.tokens_valid && it.s >= *p.tokens_valid) it.active = false;
   return it;
 }
 
 // A group of `lanes` threads merges kItems items (kThreads / lanes apart: each step of k covers
 // consecutive items), loading the LSEs and O packs of kParts parts of every item before using
 // them: kItems * kParts = 8 loads of up to 16 bytes in flight per thread. With several items the
-// kernel is launched only for N <= kParts: one chunk of parts. Parts of type T, the result of R.
-template <class T, class R, int kElems, int kParts, int kItems>
+// kernel is launched only for N <= kParts: one chunk of parts. Parts and result of type T.
+template <class T, int kElems, int kParts, int kItems>
 __global__ void __launch_bounds__(kThreads, 2) merge_states_kernel(const merge::MergeParams p, int lanes_log2) {
   using Vec = Pack<T, kElems>;
-  using ResultVec = Pack<R, kElems>;
-  if (p.skip_if && *p.skip_if != 0) return;
   const int lanes = 1 << lanes_log2, groups = kThreads >> lanes_log2;
   const int lane = threadIdx.x & (lanes - 1);
   Item items[kItems];
@@ -145,10 +142,10 @@ __global__ void __launch_bounds__(kThreads, 2) merge_states_kernel(const merge::
         // The last chunk finishes the item at once (its accumulator is dead after the store).
         if (last_chunk && has_pack) {
           const float inv_sum = a[k].inv_sum();
-          ResultVec y;
+          Vec y;
 #pragma unroll
-          for (int e = 0; e < kElems; ++e) y.e[e] = from_float<R>(acc[k][e] * inv_sum);
-          reinterpret_cast<ResultVec*>(static_cast<R*>(p.result.out) +
+          for (int e = 0; e < kElems; ++e) y.e[e] = from_float<T>(acc[k][e] * inv_sum);
+          reinterpret_cast<Vec*>(static_cast<T*>(p.result.out) +
                                        p.result.out_offset(items[k].b, items[k].s, items[k].h))[v] = y;
         }
       }
@@ -167,9 +164,9 @@ __global__ void __launch_bounds__(kThreads, 2) merge_states_kernel(const merge::
 // The widest pack (at most 16 bytes of the wider type, at least one element) that every row start
 // is aligned to: base addresses and the strides of dimensions that are stepped over, in the parts'
 // element size and in the result's.
-int pack_elements(const merge::MergeParams& p, int part_bytes, int result_bytes) {
-  int elements = 16 / std::max(part_bytes, result_bytes);
-  const auto fits = [&](const merge::Layout& l, int element_bytes, bool parts) {
+int pack_elements(const merge::MergeParams& p, int element_bytes) {
+  int elements = 16 / element_bytes;
+  const auto fits = [&](const merge::Layout& l, bool parts) {
     std::uint64_t bits = static_cast<std::uint64_t>(p.head_dim) * element_bytes | reinterpret_cast<std::uintptr_t>(l.out);
     const auto stride = [&](std::int64_t extent, std::int64_t stride_elements) {
       if (extent > 1) bits |= static_cast<std::uint64_t>(stride_elements) * element_bytes;
@@ -180,15 +177,14 @@ int pack_elements(const merge::MergeParams& p, int part_bytes, int result_bytes)
     if (parts) stride(p.parts, p.out_part_step);
     return (bits & static_cast<std::uint64_t>(elements * element_bytes - 1)) == 0;
   };
-  while (elements > 1 && !(fits(p.first, part_bytes, true) && fits(p.second, part_bytes, true) &&
-                           fits(p.result, result_bytes, false)))
+  while (elements > 1 && !(fits(p.first, true) && fits(p.second, true) && fits(p.result, false)))
     elements /= 2;
   return elements;
 }
 
-template <class T, class R>
+template <class T>
 cudaError_t launch(const merge::MergeParams& p, cudaStream_t stream) {
-  const int elements = pack_elements(p, sizeof(T), sizeof(R));
+  const int elements = pack_elements(p, sizeof(T));
   const int packs = p.head_dim / elements;
   int lanes_log2 = 0;
   while ((1 << lanes_log2) < packs && lanes_log2 < 5) ++lanes_log2;
@@ -206,12 +202,12 @@ cudaError_t launch(const merge::MergeParams& p, cudaStream_t stream) {
   };
   const auto run_width = [&](auto width) {
     constexpr int kElems = decltype(width)::value;
-    if (p.parts <= 2) return run(merge_states_kernel<T, R, kElems, 2, 4>, 4);
-    if (p.parts <= 4) return run(merge_states_kernel<T, R, kElems, 4, 2>, 2);
-    return run(merge_states_kernel<T, R, kElems, 8, 1>, 1);
+    if (p.parts <= 2) return run(merge_states_kernel<T, kElems, 2, 4>, 4);
+    if (p.parts <= 4) return run(merge_states_kernel<T, kElems, 4, 2>, 2);
+    return run(merge_states_kernel<T, kElems, 8, 1>, 1);
   };
   bool launched = false;
-  constexpr int kWidest = 16 / static_cast<int>(std::max(sizeof(T), sizeof(R)));
+  constexpr int kWidest = 16 / static_cast<int>(sizeof(T));
   switch (elements) {
     case kWidest: launched = run_width(std::integral_constant<int, kWidest>{}); break;
     case kWidest / 2: launched = run_width(std::integral_constant<int, kWidest / 2>{}); break;
@@ -228,16 +224,10 @@ cudaError_t launch(const merge::MergeParams& p, cudaStream_t stream) {
 
 cudaError_t merge_states(const merge::MergeParams& p, cudaStream_t stream) {
   if (p.items() == 0) return cudaSuccess;
-  // The public merge: parts and result of one type; the decode kernel's splits: fp32 parts.
-  if (p.type == p.result_type) {
-    switch (p.type) {
-      case ElementType::f32: return launch<float, float>(p, stream);
-      case ElementType::f16: return launch<__half, __half>(p, stream);
-      case ElementType::bf16: return launch<__nv_bfloat16, __nv_bfloat16>(p, stream);
-    }
-  } else if (p.type == ElementType::f32) {
-    if (p.result_type == ElementType::f16) return launch<float, __half>(p, stream);
-    if (p.result_type == ElementType::bf16) return launch<float, __nv_bfloat16>(p, stream);
+  switch (p.type) {
+    case ElementType::f32: return launch<float>(p, stream);
+    case ElementType::f16: return launch<__half>(p, stream);
+    case ElementType::bf16: return launch<__nv_bfloat16>(p, stream);
   }
   return cudaErrorInvalidValue;
 }
