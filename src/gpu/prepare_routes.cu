@@ -1,5 +1,6 @@
 #include "gpu/prepare_routes.hpp"
 
+#include <algorithm>
 #include <cub/block/block_scan.cuh>
 #include <type_traits>
 
@@ -7,9 +8,11 @@
 
 // tests/gpu/emulation runs the kernels' logic on the host.
 #if defined(BSATTN_GPU_HOST_EMULATION)
-#define BSATTN_LAUNCH(kernel, blocks, threads, stream, ...) emulate_launch(kernel, dim3(blocks), threads, 0, __VA_ARGS__)
+#define BSATTN_LAUNCH(kernel, blocks, threads, shared, stream, ...) \
+  emulate_launch(kernel, dim3(blocks), threads, shared, __VA_ARGS__)
 #else
-#define BSATTN_LAUNCH(kernel, blocks, threads, stream, ...) kernel<<<blocks, threads, 0, stream>>>(__VA_ARGS__)
+#define BSATTN_LAUNCH(kernel, blocks, threads, shared, stream, ...) \
+  kernel<<<blocks, threads, shared, stream>>>(__VA_ARGS__)
 #endif
 
 namespace bsattn::gpu {
@@ -26,56 +29,143 @@ __device__ __forceinline__ int warp_exclusive_sum(int v, int lane, int* total) {
   return x - v;
 }
 
+// The warp as the lanes of its cursors (route::BlockCursor::take_word): a block list is read 32
+// entries a step, rather than a dependent load per entry in every lane.
+struct WarpLanes {
+  static constexpr int kSize = 32;
+  int lane_;
+  __device__ int lane() const { return lane_; }
+  __device__ unsigned ballot(bool b) const { return __ballot_sync(0xffffffffu, b); }
+  __device__ int shfl(int v, int src) const { return __shfl_sync(0xffffffffu, v, src); }
+  __device__ std::uint32_t reduce_or(std::uint32_t v) const { return __reduce_or_sync(0xffffffffu, v); }
+  __device__ int scan_max(int v, int* all) const {
+    int x = v;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, d);
+      if (lane_ >= d) x = max(x, y);
+    }
+    *all = __shfl_sync(0xffffffffu, x, 31);
+    const int below = __shfl_up_sync(0xffffffffu, x, 1);
+    return lane_ ? below : -1;
+  }
+};
+
 // A warp per row, lane i classifying block c0 + i of each 32-block chunk (prepare_row's steps,
 // records placed by warp prefix sums in prepare_row's order); kProxy: then the row's proxy
 // records. A thread per row walked every KV block of the row serially: nKB x rows steps with
 // proxy routes (512 x 20480 at S = 32768 and blocks of 64), and for the few long rows of a decode
 // step (one row of 1024 blocks at L = 131072) ~0.7 ms of one thread before the kernel could start.
-// The lanes advance identical cursors (the same loads, broadcast).
+// The lanes hold identical cursors (the same loads, broadcast; a list read by WarpLanes).
+//
+// kSplit (few long rows, all-blocks or bitmask sets): a block of W warps per row, warp w taking
+// the w-th of W runs of consecutive chunks: a count pass, exclusive sums over the warps' exact
+// and proxy counts, then the write pass from each warp's first exact and first proxy record, so
+// the records land where prepare_row puts them. One warp walking the 32 chunks of a 1024-block
+// decode row took 63 us (7 us for 64 blocks) while the other SMs idled. Block lists stay a warp
+// per row: a list cursor reaches chunk c0 only by reading every entry before it (junk entries
+// decide which later ones count), 32 a step.
 constexpr int kRowThreads = 128;
+constexpr int kMaxSplitWarps = 32;
+constexpr int kSplitWarpsInFlight = 4096;  // ~31 per SM of an H200: W = min(32, chunks, this / rows)
+constexpr int kMinSplitWarps = 4;          // below, two passes cost what the split saves
 
-template <int kUnits, bool kProxy>
-__global__ void __launch_bounds__(kRowThreads)
+// The blocks [begin, end) of a row: the chunks of one warp (begin a multiple of 32).
+struct BlockRun {
+  int begin, end;
+};
+
+// Warp `part` of `parts`: the part-th of `parts` runs of the row's chunks.
+template <int kUnits>
+__device__ BlockRun block_run(const route::RowState<kUnits>& r, int part, int parts) {
+  const int per_part = 32 * route::ceil_div(route::ceil_div(r.s.kv_blocks, 32), parts);
+  return {min(part * per_part, r.s.kv_blocks), min((part + 1) * per_part, r.s.kv_blocks)};
+}
+
+// The exact records of blocks `run` of a row, written from out[at] (only counted at or past
+// `capacity`; capacity 0: a count pass). Returns their number.
+template <int kUnits>
+__device__ int exact_pass(const route::RouteParams& p, route::RowState<kUnits>& r, BlockRun run, int lane,
+                          route::Route* out, int capacity, int at) {
+  route::ChunkWords<kUnits> w;
+  int count = 0;
+  for (int c0 = run.begin; c0 < run.end; c0 += 32) {
+    route::take_chunk(p, r, c0, w, WarpLanes{lane});
+    if (!w.selected) continue;
+    const bool selected = (w.selected >> lane) & 1u;
+    int n = 0;  // this lane's records: counted, then written after the lanes below it
+    if (selected) route::exact_routes(p, r, w, c0, lane, [&](int, unsigned, unsigned) { ++n; });
+    int total;
+    int i = at + count + warp_exclusive_sum(n, lane, &total);
+    if (selected && i < capacity)
+      route::exact_routes(p, r, w, c0, lane, [&](int index, unsigned units, unsigned masked) {
+        route::put_route(out, capacity, i++, index, route::RouteKind::exact, units, masked);
+      });
+    count += total;
+  }
+  return count;
+}
+
+// The proxy records of the same chunks (cursors opened again), as exact_pass.
+template <int kUnits>
+__device__ int proxy_pass(const route::RouteParams& p, route::RowState<kUnits>& r, BlockRun run, int lane,
+                          route::Route* out, int capacity, int at) {
+  route::ChunkWords<kUnits> w;
+  int count = 0;
+  for (int c0 = run.begin; c0 < run.end; c0 += 32) {
+    route::take_chunk(p, r, c0, w, WarpLanes{lane});
+    const unsigned units =
+        c0 + lane < r.s.kv_blocks ? route::proxy_units(p, r, w, c0, lane, route::NoCustomMask()) : 0u;
+    const unsigned ballot = __ballot_sync(0xffffffffu, units != 0);
+    if (units)
+      route::put_route(out, capacity, at + count + __popc(ballot & ((1u << lane) - 1u)), c0 + lane,
+                       route::RouteKind::proxy, units, 0);
+    count += __popc(ballot);
+  }
+  return count;
+}
+
+template <int kUnits, bool kProxy, bool kSplit>
+__global__ void __launch_bounds__(kSplit ? 32 * kMaxSplitWarps : kRowThreads)
     prepare_routes_kernel(const route::RouteParams p, int rows, route::Route* routes, std::int32_t* counts,
                           std::int32_t* proxy_counts, std::int32_t* overflow) {
-  const int row = blockIdx.x * (kRowThreads / 32) + static_cast<int>(threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;  // the whole warp
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int parts = kSplit ? static_cast<int>(blockDim.x) / 32 : 1, part = kSplit ? warp : 0;
+  const int row = kSplit ? static_cast<int>(blockIdx.x) : blockIdx.x * (kRowThreads / 32) + warp;
+  if (row >= rows) return;  // the whole warp (kSplit: a block per row, never)
   route::Route* out = routes + static_cast<std::int64_t>(row) * p.capacity;
   route::RowState<kUnits> r;
   int count = 0, exact = 0;
-  if (route::open_row(p, row, r)) {
-    route::ChunkWords<kUnits> w;
-    for (int c0 = 0; c0 < r.s.kv_blocks; c0 += 32) {
-      route::take_chunk(p, r, c0, w);
-      if (!w.selected) continue;
-      const bool selected = (w.selected >> lane) & 1u;
-      int n = 0;  // this lane's records: counted, then written after the lanes below it
-      if (selected) route::exact_routes(p, r, w, c0, lane, [&](int, unsigned, unsigned) { ++n; });
-      int total;
-      int at = count + warp_exclusive_sum(n, lane, &total);
-      if (selected)
-        route::exact_routes(p, r, w, c0, lane, [&](int index, unsigned units, unsigned masked) {
-          route::put_route(out, p.capacity, at++, index, route::RouteKind::exact, units, masked);
-        });
-      count += total;
+  if (route::open_row(p, row, r)) {  // the same for the whole block
+    const BlockRun run = block_run(r, part, parts);
+    int exact_at = 0, proxy_at = 0;
+    if constexpr (kSplit) {
+      extern __shared__ std::int32_t part_counts[];  // [2][parts]: exact, proxy records per warp
+      const int n_exact = exact_pass(p, r, run, lane, out, 0, 0);
+      int n_proxy = 0;
+      if constexpr (kProxy) {
+        route::open_cursors(p, r);
+        n_proxy = proxy_pass(p, r, run, lane, out, 0, 0);
+      }
+      if (lane == 0) part_counts[part] = n_exact, part_counts[parts + part] = n_proxy;
+      __syncthreads();
+      int total_exact, total_proxy;
+      exact_at = warp_exclusive_sum(lane < parts ? part_counts[lane] : 0, lane, &total_exact);
+      proxy_at = warp_exclusive_sum(lane < parts ? part_counts[parts + lane] : 0, lane, &total_proxy);
+      exact_at = __shfl_sync(0xffffffffu, exact_at, part);
+      proxy_at = total_exact + __shfl_sync(0xffffffffu, proxy_at, part);
+      exact = total_exact;
+      count = total_exact + total_proxy;
+      route::open_cursors(p, r);
     }
-    exact = count;
+    const int n_exact = exact_pass(p, r, run, lane, out, p.capacity, exact_at);
+    if constexpr (!kSplit) exact = count = proxy_at = n_exact;
     if constexpr (kProxy) {
       route::open_cursors(p, r);
-      for (int c0 = 0; c0 < r.s.kv_blocks; c0 += 32) {
-        route::take_chunk(p, r, c0, w);
-        const unsigned units =
-            c0 + lane < r.s.kv_blocks ? route::proxy_units(p, r, w, c0, lane, route::NoCustomMask()) : 0u;
-        const unsigned ballot = __ballot_sync(0xffffffffu, units != 0);
-        if (units)
-          route::put_route(out, p.capacity, count + __popc(ballot & ((1u << lane) - 1u)), c0 + lane,
-                           route::RouteKind::proxy, units, 0);
-        count += __popc(ballot);
-      }
+      const int n_proxy = proxy_pass(p, r, run, lane, out, p.capacity, proxy_at);
+      if constexpr (!kSplit) count += n_proxy;
     }
   }
-  if (lane != 0) return;
+  if (part != 0 || lane != 0) return;
   const int stored = count < p.capacity ? count : p.capacity;
   counts[row] = stored;
   if (proxy_counts) proxy_counts[row] = stored - (exact < p.capacity ? exact : p.capacity);  // the row's last records
@@ -127,7 +217,7 @@ __global__ void __launch_bounds__(kOrderThreads) order_rows_kernel(const std::in
 cudaError_t order_rows_longest_first(const std::int32_t* counts, int rows, std::int32_t* order,
                                      cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  BSATTN_LAUNCH(order_rows_kernel, 1, kOrderThreads, stream, counts, rows, order);
+  BSATTN_LAUNCH(order_rows_kernel, 1, kOrderThreads, 0, stream, counts, rows, order);
   return cudaGetLastError();
 }
 
@@ -135,21 +225,32 @@ cudaError_t prepare_routes(const AttentionParams& a, route::Route* routes, std::
                            std::int32_t* overflow, cudaStream_t stream, std::int32_t* proxy_counts) {
   const int rows = a.route_rows;
   if (rows == 0) return cudaSuccess;
-  return with_units(a.route, [&](auto units) {
+  const route::RouteParams& p = a.route;
+  // Warps per row: several for a few long rows whose cursors can start at any chunk.
+  const bool seekable = p.format == route::SetFormat::all_blocks || p.format == route::SetFormat::bitmask;
+  const int split = std::min({kMaxSplitWarps, route::ceil_div(p.max_kv_blocks, 32), kSplitWarpsInFlight / rows});
+  const bool proxy = p.proxy_mode != 0;
+  return with_units(p, [&](auto units) {
     constexpr int kUnits = decltype(units)::value;
-    constexpr int kRowsPerBlock = kRowThreads / 32;
-    const int blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-    const bool proxy = a.route.proxy_mode != 0;
-    const auto kernel = proxy ? prepare_routes_kernel<kUnits, true> : prepare_routes_kernel<kUnits, false>;
-    BSATTN_LAUNCH(kernel, blocks, kRowThreads, stream, a.route, rows, routes, counts, proxy ? proxy_counts : nullptr,
-                  overflow);
+    if (seekable && split >= kMinSplitWarps) {
+      const auto kernel =
+          proxy ? prepare_routes_kernel<kUnits, true, true> : prepare_routes_kernel<kUnits, false, true>;
+      BSATTN_LAUNCH(kernel, rows, 32 * split, 2 * split * sizeof(std::int32_t), stream, p, rows, routes, counts,
+                    proxy ? proxy_counts : nullptr, overflow);
+    } else {
+      constexpr int kRowsPerBlock = kRowThreads / 32;
+      const auto kernel =
+          proxy ? prepare_routes_kernel<kUnits, true, false> : prepare_routes_kernel<kUnits, false, false>;
+      BSATTN_LAUNCH(kernel, (rows + kRowsPerBlock - 1) / kRowsPerBlock, kRowThreads, 0, stream, p, rows, routes,
+                    counts, proxy ? proxy_counts : nullptr, overflow);
+    }
     return cudaGetLastError();
   });
 }
 
 cudaError_t derive_varlen_block_offsets(const route::RouteParams& p, std::int32_t* cu_m, std::int32_t* cu_idx,
                                         cudaStream_t stream) {
-  BSATTN_LAUNCH(derive_offsets_kernel, 1, 1, stream, p, cu_m, cu_idx);
+  BSATTN_LAUNCH(derive_offsets_kernel, 1, 1, 0, stream, p, cu_m, cu_idx);
   return cudaGetLastError();
 }
 

@@ -1,5 +1,6 @@
 // Route preparation on the GPU: the same row preparation as the CPU engine (route/prepare.hpp), a
-// thread per route row, or a warp per row when rows have proxy routes; no host synchronisation.
+// warp per route row, or a block of warps per row for a few long rows (a decode step); no host
+// synchronisation.
 // Overflow raises a device-side flag the plan reports later.
 #pragma once
 #include <cuda_runtime.h>

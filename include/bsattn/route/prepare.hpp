@@ -17,6 +17,22 @@ BSATTN_HD int count_trailing_zeros(std::uint32_t x) {
 #endif
 }
 
+// The lanes that hold one cursor, identical in each, and read a list's entries together:
+// OneLane for a thread of its own (the CPU engine); the GPU kernel passes its warp
+// (prepare_routes.cu). scan_max(v): the max of v over the lanes below (-1 for none) and,
+// in *all, over every lane.
+struct OneLane {
+  static constexpr int kSize = 1;
+  BSATTN_HD int lane() const { return 0; }
+  BSATTN_HD unsigned ballot(bool b) const { return b ? 1u : 0u; }
+  BSATTN_HD int shfl(int v, int) const { return v; }
+  BSATTN_HD std::uint32_t reduce_or(std::uint32_t v) const { return v; }
+  BSATTN_HD int scan_max(int v, int* all) const {
+    *all = v;
+    return -1;
+  }
+};
+
 // Walks one row of one block set in ascending order. Entries that are out of range or not
 // strictly ascending are dropped, so even unvalidated metadata cannot drive reads out of bounds
 // of the KV sequence.
@@ -119,16 +135,13 @@ class BlockCursor {
   // The set's blocks in [c0, c0 + 32) as bits (bit i: block c0 + i), leaving the cursor past them.
   // Chunks are taken in ascending order. All blocks and bitmasks take the word at once (building
   // it one advance() per set block made a dense row of 1024 blocks 1024 dependent steps: 63 us
-  // for the GPU kernel); a list is still walked entry by entry.
-  BSATTN_HD std::uint32_t take_word(int c0) {
+  // for the GPU kernel); a list's entries are read Lanes::kSize at a time (take_list_word).
+  template <class Lanes = OneLane>
+  BSATTN_HD std::uint32_t take_word(int c0, const Lanes& lanes = Lanes()) {
+    if (kind_ == Kind::list) return take_list_word(c0, lanes);
     skip_to(c0);
     if (current_ >= c0 + 32) return 0u;  // kEnd included
-    std::uint32_t word = 0;
-    if (kind_ == Kind::list) {
-      for (; current_ < c0 + 32; advance()) word |= 1u << (current_ - c0);
-      return word;
-    }
-    word = ~0u;
+    std::uint32_t word = ~0u;
     if (kind_ == Kind::words) {
       const int w = c0 / 32, shift = c0 % 32;
       word = words_[w * stride_] >> shift;
@@ -138,6 +151,42 @@ class BlockCursor {
     if (kv_blocks_ - c0 < 32) word &= (1u << (kv_blocks_ - c0)) - 1u;
     current_ = c0 + 31;
     advance();
+    return word;
+  }
+
+  // take_word of a list: skip_to(c0), then advance() while below c0 + 32, on kSize entries per
+  // step. An entry is taken when in range and above the cursor's floor (c0 - 1 while skipping,
+  // else current_) and above every in-range entry read before it: advance()'s rule, as the
+  // last block taken is the largest in-range entry so far. The first entry taken at or past
+  // c0 + 32 becomes current_; the entries after it stay unread.
+  template <class Lanes>
+  BSATTN_HD std::uint32_t take_list_word(int c0, const Lanes& lanes) {
+    if (current_ >= c0 + 32) return 0u;  // kEnd included
+    std::uint32_t word = 0;
+    int floor = c0 - 1;
+    if (current_ >= c0) {
+      word = 1u << (current_ - c0);
+      floor = current_;
+    }
+    current_ = kEnd;
+    for (; pos_ < count_; pos_ += Lanes::kSize) {
+      const int i = pos_ + lanes.lane();
+      int v = i < count_ ? list_[i * stride_] : -1;
+      if (v >= kv_blocks_) v = -1;  // -1: out of range (never taken)
+      int all;
+      const int below = lanes.scan_max(v, &all);
+      const bool taken = v > floor && v > below;
+      const unsigned past = lanes.ballot(taken && v >= c0 + 32);
+      const int stop = past ? count_trailing_zeros(past) : Lanes::kSize;
+      word |= lanes.reduce_or(taken && lanes.lane() < stop ? 1u << (v - c0) : 0u);
+      if (past) {
+        current_ = lanes.shfl(v, stop);
+        pos_ += stop + 1;
+        return word;
+      }
+      if (all > floor) floor = all;
+    }
+    pos_ = count_;
     return word;
   }
 
@@ -226,14 +275,16 @@ BSATTN_HD bool open_row(const RouteParams& p, int row, RowState<kUnits>& r) {
   return true;
 }
 
-template <int kUnits>
-BSATTN_HD void take_chunk(const RouteParams& p, RowState<kUnits>& r, int c0, ChunkWords<kUnits>& w) {
+// Lanes: those holding r (BlockCursor::take_word), all of them calling.
+template <int kUnits, class Lanes = OneLane>
+BSATTN_HD void take_chunk(const RouteParams& p, RowState<kUnits>& r, int c0, ChunkWords<kUnits>& w,
+                          const Lanes& lanes = Lanes()) {
   w.selected = 0;
   for (int u = 0; u < kUnits; ++u) {
     const bool live = u < r.units;
-    w.partial[u] = live ? r.partial[u].take_word(c0) : 0u;
-    w.full[u] = live ? r.full[u].take_word(c0) : 0u;
-    w.listed[u] = live && p.proxy_mode == 2 ? r.listed[u].take_word(c0) : 0u;
+    w.partial[u] = live ? r.partial[u].take_word(c0, lanes) : 0u;
+    w.full[u] = live ? r.full[u].take_word(c0, lanes) : 0u;
+    w.listed[u] = live && p.proxy_mode == 2 ? r.listed[u].take_word(c0, lanes) : 0u;
     w.selected |= w.partial[u] | w.full[u];
   }
 }

@@ -3,7 +3,10 @@
 // route::prepare_row, record for record: counts, the trailing proxy-record counts, and the
 // overflow flag, on random block lists and bitmasks (junk entries, short counts), full sets, proxy
 // modes 0 / 1 / 2, causal / window / sinks, Bq and Bk 16-128, up to 250 KV blocks, capacities large
-// and small. BSATTN_EMULATION_REVERSE=1 runs the lanes in reverse order.
+// and small; then decode-like cases of 1 to 16 rows of 100 to 2000 KV blocks (the all-blocks and
+// bitmask ones take the split launch, a block of warps per row: the check counts them; lists
+// stay a warp per row, read 32 entries a step).
+// BSATTN_EMULATION_REVERSE=1 runs the lanes in reverse order.
 //   g++ -std=c++20 -O2 -w -DBSATTN_GPU_HOST_EMULATION=1 -I tests/gpu/emulation/stub_cub -I tests/gpu/emulation \
 //     -I include -I src -I /usr/local/cuda/include tests/gpu/emulation/prepare_routes_check.cpp -o /tmp/prep_check \
 //     && /tmp/prep_check
@@ -24,6 +27,13 @@ inline int __shfl_sync(unsigned, int v, int src) {
   return static_cast<int>(cuda_emulation::collective(static_cast<std::uint32_t>(v),
                                                      [&](const std::uint32_t* lanes) { return lanes[src]; }));
 }
+inline unsigned __reduce_or_sync(unsigned, unsigned v) {
+  return cuda_emulation::collective(v, [](const std::uint32_t* lanes) {
+    std::uint32_t bits = 0;
+    for (int i = 0; i < 32; ++i) bits |= lanes[i];
+    return bits;
+  });
+}
 inline int atomicCAS(int* p, int expected, int value) {
   const int old = *p;
   if (old == expected) *p = value;
@@ -34,6 +44,21 @@ inline int atomicAdd(int* p, int v) {
   *p += v;
   return old;
 }
+namespace bsattn::gpu {
+namespace {
+alignas(16) std::int32_t part_counts[64];  // the split kernel's extern __shared__ array
+const bool registered =
+    (cuda_emulation::shared_array() = {reinterpret_cast<unsigned char*>(part_counts), sizeof part_counts}, true);
+}  // namespace
+}  // namespace bsattn::gpu
+// Counts the launches of a block of warps per row (more than the 128 threads of 4 rows a block).
+long split_launches = 0;
+template <class Kernel, class... Args>
+void counted_launch(Kernel kernel, dim3 grid, int threads, std::size_t shared_bytes, Args... args) {
+  split_launches += threads > 128;
+  emulate_launch(kernel, grid, threads, shared_bytes, args...);
+}
+#define emulate_launch counted_launch
 #include "../../../src/gpu/prepare_routes.cu"
 
 using namespace bsattn::route;
@@ -42,7 +67,8 @@ int main() {
   std::mt19937 rng(7);
   const auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   long rows_checked = 0, records = 0, proxies = 0, bad = 0;
-  for (int it = 0; it < 400; ++it) {
+  for (int it = 0; it < 520; ++it) {
+    const bool long_rows = it >= 400;  // few rows of many blocks (a decode step)
     RouteParams p;
     p.batch = uni(1, 2);
     p.heads_q = p.heads_kv = p.sparsity_heads = uni(1, 2);
@@ -54,8 +80,8 @@ int main() {
     p.unit_m = std::min(p.block_q, p.tile_m);
     do p.tile_n = 16 * uni(1, 8);
     while (p.block_kv % p.tile_n);
-    p.max_seqlen_q = uni(1, 2000);
-    p.max_seqlen_kv = uni(1, 4000);
+    p.max_seqlen_q = long_rows ? uni(1, 200) : uni(1, 2000);
+    p.max_seqlen_kv = long_rows ? uni(100, 2000) * p.block_kv - uni(0, p.block_kv - 1) : uni(1, 4000);
     p.max_q_tiles = ceil_div(p.max_seqlen_q, p.tile_m);
     p.max_q_blocks = ceil_div(p.max_seqlen_q, p.block_q);
     p.max_kv_blocks = ceil_div(p.max_seqlen_kv, p.block_kv);
@@ -65,8 +91,8 @@ int main() {
     p.proxy_mode = uni(0, 3) ? uni(1, format == 0 ? 1 : 2) : 0;
     p.causal = uni(0, 1);
     p.top_left = uni(0, 1);
-    p.window_left = uni(0, 2) ? -1 : uni(0, 3000);
-    p.window_right = uni(0, 2) ? -1 : uni(0, 3000);
+    p.window_left = uni(0, 2) ? -1 : uni(0, long_rows ? p.max_seqlen_kv : 3000);
+    p.window_right = uni(0, 2) ? -1 : uni(0, long_rows ? p.max_seqlen_kv : 3000);
     p.sink_tokens = uni(0, 1) ? 0 : uni(0, 500);
     // Partial, full and proxy sets of random density as lists and bitmasks [Bs, Hs, nQB, nKB | words].
     const int sets_rows = p.sparsity_batch * p.sparsity_heads * p.max_q_blocks, nkb = p.max_kv_blocks;
@@ -86,7 +112,9 @@ int main() {
             lists[k][static_cast<std::size_t>(r) * nkb + n++] = j;
             bits[k][static_cast<std::size_t>(r) * words + j / 32] |= 1u << (j % 32);
           }
-        if (uni(0, 20) == 0 && n > 1) lists[k][static_cast<std::size_t>(r) * nkb + uni(0, n - 1)] = uni(-3, nkb + 3);
+        if (uni(0, long_rows ? 3 : 20) == 0 && n > 1)  // junk: out of range, repeated, descending
+          for (int j = long_rows ? uni(1, 40) : 1; j > 0; --j)
+            lists[k][static_cast<std::size_t>(r) * nkb + uni(0, n - 1)] = uni(-3, nkb + 3);
         counts[k][r] = uni(0, 15) == 0 ? uni(-2, nkb + 2) : n;
       }
       BlockSetParams& s = *sets[k];
@@ -103,7 +131,9 @@ int main() {
       s.list_length = nkb;
     }
     const int rows = p.batch * p.sparsity_heads * p.max_q_tiles;
-    for (int capacity : {nkb * (p.block_kv / p.tile_n) + nkb, uni(1, 30)}) {
+    const int most = nkb * (p.block_kv / p.tile_n) + nkb;
+    for (int capacity : {most, uni(1, 30), long_rows ? uni(1, most) : 0}) {
+      if (capacity == 0) continue;
       p.capacity = capacity;
       bsattn::AttentionParams a;
       a.route = p;
@@ -126,6 +156,15 @@ int main() {
         const bool same = got_counts[row] == stored &&
                           std::memcmp(&got[static_cast<std::size_t>(row) * capacity], want.data(), stored * sizeof(Route)) == 0 &&
                           (!p.proxy_mode || got_proxies[row] == trailing);
+        if (!same && bad < 5)
+          for (int i = 0; i < stored; ++i) {
+            const Route& g = got[static_cast<std::size_t>(row) * capacity + i];
+            if (std::memcmp(&g, &want[i], sizeof(Route))) {
+              std::printf("  record %d: got %d/%d/%d/%d want %d/%d/%d/%d (cap %d)\n", i, g.index, g.kind, g.rows, g.masked,
+                          want[i].index, want[i].kind, want[i].rows, want[i].masked, capacity);
+              break;
+            }
+          }
         if (!same && bad++ < 5)
           std::printf("case %d row %d: %d records (want %d), %d proxy (want %d); format %d, proxy mode %d, units %d\n", it,
                       row, got_counts[row], stored, got_proxies[row], trailing, format, p.proxy_mode,
@@ -136,6 +175,7 @@ int main() {
       }
     }
   }
-  std::printf("%ld route rows checked (%ld records, %ld proxy), %ld bad\n", rows_checked, records, proxies, bad);
-  return bad != 0;
+  std::printf("%ld route rows checked (%ld records, %ld proxy), %ld bad; %ld split launches\n", rows_checked, records,
+              proxies, bad, split_launches);
+  return bad != 0 || split_launches == 0;
 }
