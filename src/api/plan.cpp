@@ -92,12 +92,14 @@ static void choose_decode(const Problem& pb, const route::RouteParams& geo, int 
 // The GPU plan's workspace: one cudaMalloc at plan time, carved into the overflow flag, route
 // counts, derived varlen offsets and route records. run() allocates nothing.
 struct DeviceWorkspace {
-  static constexpr std::size_t kFlagBytes = 3 * sizeof(std::int32_t);  // overflow flag + work counter
+  // The overflow flag, the work counter and route preparation's own (gpu/prepare_routes.hpp):
+  // zeroed here once; the kernels leave them ready for the next run.
+  static constexpr std::size_t kFlagBytes = gpu::kRouteFlagWords * sizeof(std::int32_t);
   void* base = nullptr;
   std::size_t bytes = 0;
   int device = 0;
   std::int32_t* overflow = nullptr;  // [2]: {row + 1, routes needed} of an overflowing row, else 0
-  std::int32_t* work_counter = nullptr;  // right after the overflow flag: one memset clears both
+  std::int32_t* work_counter = nullptr;  // overflow + 2
   std::int32_t* counts = nullptr;
   std::int32_t* proxy_counts = nullptr;  // right after counts: the proxy records per row (proxy kernels)
   std::int32_t* row_order = nullptr;
@@ -491,12 +493,12 @@ void Plan::Impl::run_decode_splits(const AttentionParams& a, const gpu::TokenExt
   cuda_check(gpu::run_forward(splits, extents, ws.overflow, s, &decode), "forward kernel launch");
 }
 
-// Clears the overflow flag and work counter, derives varlen offsets when not given, binds the
-// workspace and prepares the route stream on `stream` (forward and backward alike).
+// Derives varlen offsets when not given, binds the workspace and prepares the route stream on
+// `stream` (forward and backward alike). No memset: route preparation writes the overflow flag
+// every run and the kernels leave the counters zero (gpu/prepare_routes.hpp).
 void Plan::Impl::prepare_gpu_routes(AttentionParams& a, Stream stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   DeviceWorkspace& ws = *device;
-  cuda_check(cudaMemsetAsync(ws.overflow, 0, DeviceWorkspace::kFlagBytes, s), "cudaMemsetAsync");
   attach_varlen_block_offsets(a.route, ws.cu_total_m_blocks, ws.cu_block_idx_offsets,
                               [s](const route::RouteParams& q, std::int32_t* m, std::int32_t* o) {
                                 cuda_check(gpu::derive_varlen_block_offsets(q, m, o, s), "derive_varlen_block_offsets");

@@ -65,8 +65,10 @@ struct WarpLanes {
 // per row: a list cursor reaches chunk c0 only by reading every entry before it (junk entries
 // decide which later ones count), 32 a step.
 constexpr int kRowThreads = 128;
-constexpr int kMaxSplitWarps = 32;
-constexpr int kSplitWarpsInFlight = 4096;  // ~31 per SM of an H200: W = min(32, chunks, this / rows)
+// At most 16 warps (512 threads) so that the launch bound leaves 128 registers: with 32 the
+// compiler had 64 and spilled 40-334 bytes.
+constexpr int kMaxSplitWarps = 16;
+constexpr int kSplitWarpsInFlight = 4096;  // ~31 per SM of an H200: W = min(16, chunks, this / rows)
 constexpr int kMinSplitWarps = 4;          // below, two passes cost what the split saves
 
 // The blocks [begin, end) of a row: the chunks of one warp (begin a multiple of 32).
@@ -124,52 +126,78 @@ __device__ int proxy_pass(const route::RouteParams& p, route::RowState<kUnits>& 
   return count;
 }
 
+// The last block to finish publishes the launch's overflow flag (flags[3, 4] -> [0, 1]) and zeroes
+// the pending pair and the block count for the next launch (prepare_routes.hpp). The pending
+// values are taken by atomics: this multiprocessor's L1 may hold stale lines of them.
+__device__ __forceinline__ void publish_overflow(std::int32_t* flags) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicAdd(&flags[5], 1) != static_cast<int>(gridDim.x) - 1) return;
+  __threadfence();
+  const int row = atomicExch(&flags[3], 0), needed = atomicExch(&flags[4], 0);
+  flags[0] = row;
+  flags[1] = needed;
+  atomicExch(&flags[5], 0);
+}
+
 template <int kUnits, bool kProxy, bool kSplit>
 __global__ void __launch_bounds__(kSplit ? 32 * kMaxSplitWarps : kRowThreads)
     prepare_routes_kernel(const route::RouteParams p, int rows, route::Route* routes, std::int32_t* counts,
-                          std::int32_t* proxy_counts, std::int32_t* overflow) {
+                          std::int32_t* proxy_counts, std::int32_t* flags) {
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = threadIdx.x % 32;
+  // A decode kernel launched after this one (programmatic dependent launch) may be placed now; it
+  // waits for this grid's completion before reading anything written here.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   const int parts = kSplit ? static_cast<int>(blockDim.x) / 32 : 1, part = kSplit ? warp : 0;
   const int row = kSplit ? static_cast<int>(blockIdx.x) : blockIdx.x * (kRowThreads / 32) + warp;
-  if (row >= rows) return;  // the whole warp (kSplit: a block per row, never)
-  route::Route* out = routes + static_cast<std::int64_t>(row) * p.capacity;
-  route::RowState<kUnits> r;
-  int count = 0, exact = 0;
-  if (route::open_row(p, row, r)) {  // the same for the whole block
-    const BlockRun run = block_run(r, part, parts);
-    int exact_at = 0, proxy_at = 0;
-    if constexpr (kSplit) {
-      extern __shared__ std::int32_t part_counts[];  // [2][parts]: exact, proxy records per warp
-      const int n_exact = exact_pass(p, r, run, lane, out, 0, 0);
-      int n_proxy = 0;
+  if (row < rows) {  // the whole warp (kSplit: a block per row, always)
+    route::Route* out = routes + static_cast<std::int64_t>(row) * p.capacity;
+    route::RowState<kUnits> r;
+    int count = 0, exact = 0;
+    if (route::open_row(p, row, r)) {  // the same for the whole block
+      const BlockRun run = block_run(r, part, parts);
+      int exact_at = 0, proxy_at = 0;
+      if constexpr (kSplit) {
+        extern __shared__ std::int32_t part_counts[];  // [2][parts]: exact, proxy records per warp
+        const int n_exact = exact_pass(p, r, run, lane, out, 0, 0);
+        int n_proxy = 0;
+        if constexpr (kProxy) {
+          route::open_cursors(p, r);
+          n_proxy = proxy_pass(p, r, run, lane, out, 0, 0);
+        }
+        if (lane == 0) part_counts[part] = n_exact, part_counts[parts + part] = n_proxy;
+        __syncthreads();
+        int total_exact, total_proxy;
+        exact_at = warp_exclusive_sum(lane < parts ? part_counts[lane] : 0, lane, &total_exact);
+        proxy_at = warp_exclusive_sum(lane < parts ? part_counts[parts + lane] : 0, lane, &total_proxy);
+        exact_at = __shfl_sync(0xffffffffu, exact_at, part);
+        proxy_at = total_exact + __shfl_sync(0xffffffffu, proxy_at, part);
+        exact = total_exact;
+        count = total_exact + total_proxy;
+        route::open_cursors(p, r);
+      }
+      const int n_exact = exact_pass(p, r, run, lane, out, p.capacity, exact_at);
+      if constexpr (!kSplit) exact = count = proxy_at = n_exact;
       if constexpr (kProxy) {
         route::open_cursors(p, r);
-        n_proxy = proxy_pass(p, r, run, lane, out, 0, 0);
+        const int n_proxy = proxy_pass(p, r, run, lane, out, p.capacity, proxy_at);
+        if constexpr (!kSplit) count += n_proxy;
       }
-      if (lane == 0) part_counts[part] = n_exact, part_counts[parts + part] = n_proxy;
-      __syncthreads();
-      int total_exact, total_proxy;
-      exact_at = warp_exclusive_sum(lane < parts ? part_counts[lane] : 0, lane, &total_exact);
-      proxy_at = warp_exclusive_sum(lane < parts ? part_counts[parts + lane] : 0, lane, &total_proxy);
-      exact_at = __shfl_sync(0xffffffffu, exact_at, part);
-      proxy_at = total_exact + __shfl_sync(0xffffffffu, proxy_at, part);
-      exact = total_exact;
-      count = total_exact + total_proxy;
-      route::open_cursors(p, r);
     }
-    const int n_exact = exact_pass(p, r, run, lane, out, p.capacity, exact_at);
-    if constexpr (!kSplit) exact = count = proxy_at = n_exact;
-    if constexpr (kProxy) {
-      route::open_cursors(p, r);
-      const int n_proxy = proxy_pass(p, r, run, lane, out, p.capacity, proxy_at);
-      if constexpr (!kSplit) count += n_proxy;
+    if (part == 0 && lane == 0) {
+      const int stored = count < p.capacity ? count : p.capacity;
+      counts[row] = stored;
+      if (proxy_counts) proxy_counts[row] = stored - (exact < p.capacity ? exact : p.capacity);  // the row's last records
+      if (count > p.capacity && atomicCAS(&flags[3], 0, row + 1) == 0) {
+        flags[4] = count;
+        __threadfence();  // before publish_overflow's count of this block
+      }
     }
   }
-  if (part != 0 || lane != 0) return;
-  const int stored = count < p.capacity ? count : p.capacity;
-  counts[row] = stored;
-  if (proxy_counts) proxy_counts[row] = stored - (exact < p.capacity ? exact : p.capacity);  // the row's last records
-  if (count > p.capacity && atomicCAS(overflow, 0, row + 1) == 0) overflow[1] = count;
+  publish_overflow(flags);
 }
 
 // f(std::integral_constant<int, kUnits>) with kUnits >= tile_m / unit_m (1, 2, 4 or 8).
@@ -223,16 +251,16 @@ cudaError_t order_rows_longest_first(const std::int32_t* counts, int rows, std::
 
 cudaError_t prepare_routes(const AttentionParams& a, route::Route* routes, std::int32_t* counts,
                            std::int32_t* overflow, cudaStream_t stream, std::int32_t* proxy_counts) {
-  const int rows = a.route_rows;
-  if (rows == 0) return cudaSuccess;
+  const int rows = a.route_rows;  // 0: one block still publishes a clear overflow flag
   const route::RouteParams& p = a.route;
   // Warps per row: several for a few long rows whose cursors can start at any chunk.
   const bool seekable = p.format == route::SetFormat::all_blocks || p.format == route::SetFormat::bitmask;
-  const int split = std::min({kMaxSplitWarps, route::ceil_div(p.max_kv_blocks, 32), kSplitWarpsInFlight / rows});
+  const int split =
+      std::min({kMaxSplitWarps, route::ceil_div(p.max_kv_blocks, 32), kSplitWarpsInFlight / std::max(rows, 1)});
   const bool proxy = p.proxy_mode != 0;
   return with_units(p, [&](auto units) {
     constexpr int kUnits = decltype(units)::value;
-    if (seekable && split >= kMinSplitWarps) {
+    if (seekable && split >= kMinSplitWarps && rows > 0) {
       const auto kernel =
           proxy ? prepare_routes_kernel<kUnits, true, true> : prepare_routes_kernel<kUnits, false, true>;
       BSATTN_LAUNCH(kernel, rows, 32 * split, 2 * split * sizeof(std::int32_t), stream, p, rows, routes, counts,
@@ -241,7 +269,7 @@ cudaError_t prepare_routes(const AttentionParams& a, route::Route* routes, std::
       constexpr int kRowsPerBlock = kRowThreads / 32;
       const auto kernel =
           proxy ? prepare_routes_kernel<kUnits, true, false> : prepare_routes_kernel<kUnits, false, false>;
-      BSATTN_LAUNCH(kernel, (rows + kRowsPerBlock - 1) / kRowsPerBlock, kRowThreads, 0, stream, p, rows, routes,
+      BSATTN_LAUNCH(kernel, std::max(1, (rows + kRowsPerBlock - 1) / kRowsPerBlock), kRowThreads, 0, stream, p, rows, routes,
                     counts, proxy ? proxy_counts : nullptr, overflow);
     }
     return cudaGetLastError();

@@ -9,8 +9,16 @@
 
 namespace bsattn::gpu {
 
-// Fills params.routes / params.route_counts (device pointers) for every route row. `overflow`
-// (device int[2]) receives {row + 1, needed} of the first overflowing row it meets, else stays 0.
+// The plan's device flags (int[kRouteFlagWords], zero when allocated): [0, 1] the overflow flag
+// {row + 1, records needed} of an overflowing row, else {0, 0}, written by every prepare_routes
+// launch; [2] the forward kernel's work counter; [3, 4] and [5] prepare_routes' pending overflow
+// and finished blocks. Each launch leaves [2..5] zero again (the last route block publishes [0, 1]
+// from [3, 4]; the forward kernel's last claim resets [2]), so a run needs no memset before it
+// (a launch and a stream dependency less per run: issue 14's host time).
+constexpr int kRouteFlagWords = 6;
+
+// Fills params.routes / params.route_counts (device pointers) for every route row and writes the
+// overflow flag: `overflow` points at the kRouteFlagWords flags.
 // `proxy_counts` ([rows], device, or null): the proxy records at the end of each row, for the
 // proxy kernels (AttentionParams::route_proxy_counts).
 cudaError_t prepare_routes(const AttentionParams& params, route::Route* routes, std::int32_t* counts,

@@ -150,10 +150,10 @@ TEST(GpuRoutes, DeviceMatchesHost) {
       std::int32_t* d_counts = nullptr;
       const std::size_t rows = host.route_rows;
       CUDA_OK(cudaMalloc(&d_cu, 2 * (c->batch() + 1) * sizeof(std::int32_t)));
-      CUDA_OK(cudaMalloc(&d_flag, 2 * sizeof(std::int32_t)));
+      CUDA_OK(cudaMalloc(&d_flag, bsattn::gpu::kRouteFlagWords * sizeof(std::int32_t)));
       CUDA_OK(cudaMalloc(&d_routes, rows * capacity * sizeof(route::Route)));
       CUDA_OK(cudaMalloc(&d_counts, rows * sizeof(std::int32_t)));
-      CUDA_OK(cudaMemset(d_flag, 0, 2 * sizeof(std::int32_t)));
+      CUDA_OK(cudaMemset(d_flag, 0, bsattn::gpu::kRouteFlagWords * sizeof(std::int32_t)));
       if (derive) {
         route::varlen_block_offsets(host.route, cu_m.data(), cu_i.data());
         host.route.cu_total_m_blocks = cu_m.data();
@@ -273,6 +273,47 @@ TEST(GpuForward, RouteOverflow) {
   c->problem.validate = true;
   Plan plan(c->problem);
   EXPECT_THROW(plan.run(c->in_device, c->out_device, nullptr), Error);
+}
+
+// The flags need no clearing between runs (gpu/prepare_routes.hpp): on one plan, a run that
+// overflows, then a run whose pattern fits (each 32-block word of the bitmask cut to its lowest
+// set block, at the same addresses) and a run that overflows again. Each is reported for itself,
+// and the fitting run equals the CPU engine; the next overflowing run again writes nothing.
+TEST(GpuForward, RouteOverflowThenFitOnOnePlan) {
+  REQUIRE_SM90();
+  CaseSpec spec;
+  spec.format = Format::bitmask;
+  spec.full_set = false;
+  spec.density = 1.0;
+  spec.mask = 0;
+  spec.bq = spec.bk = 64;
+  spec.max_seqlen = 1500;  // up to 24 blocks of 64, at most one a 32-block word after the cut
+  spec.seed = 78;
+  auto c = make_case(spec);
+  c->problem.max_routes_per_row = 2;
+  Plan plan(c->problem);
+  const auto overflowing_run_writes_nothing = [&] {
+    c->poison_outputs();
+    plan.run(c->in_device, c->out_device, nullptr);
+    EXPECT_THROW(plan.check(nullptr), Error);
+    c->out->download();
+    for (unsigned char x : c->out->host) ASSERT_EQ(x, 0xff);
+  };
+  overflowing_run_writes_nothing();
+  const TensorView& host = c->in_host.partial.bits;
+  std::int64_t words = 1;
+  for (int i = 0; i < host.rank; ++i) words *= host.shape[i];
+  auto* bits = static_cast<std::uint32_t*>(host.data);
+  std::vector<std::uint32_t> dense(bits, bits + words);
+  for (std::int64_t i = 0; i < words; ++i) bits[i] &= ~bits[i] + 1u;  // the lowest set bit
+  CUDA_OK(cudaMemcpy(c->in_device.partial.bits.data, bits, words * 4, cudaMemcpyHostToDevice));
+  c->poison_outputs();
+  plan.run(c->in_device, c->out_device, nullptr);
+  EXPECT_NO_THROW(plan.check(nullptr));
+  expect_close(*c, download(*c), run_cpu(*c));
+  std::copy(dense.begin(), dense.end(), bits);
+  CUDA_OK(cudaMemcpy(c->in_device.partial.bits.data, bits, words * 4, cudaMemcpyHostToDevice));
+  overflowing_run_writes_nothing();
 }
 
 TEST(GpuPlan, RejectsUnsupported) {

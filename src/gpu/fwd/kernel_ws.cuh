@@ -74,7 +74,6 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   auto& sm = *reinterpret_cast<typename C::Smem*>(smem_raw + ((1024u - smem_base % 1024u) % 1024u));
   auto& st = sm.tiles;
   auto& bars = sm.bars;
-  if (*overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
 
   const route::RouteParams& p = a.route;
   constexpr bool kPair = T::kPairMulticast;
@@ -107,6 +106,11 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   }
   if constexpr (kPair) cluster_sync_threads();  // the peer's barriers are initialised before any use
   else __syncthreads();
+  // A decode launch may start before route preparation has finished (programmatic dependent
+  // launch, launch.cuh): nothing the preparation writes is read before this wait (elsewhere a
+  // no-op), so the CTAs' placement and barrier setup overlap it.
+  if constexpr (T::kDecode) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (*overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
   const bool warp_leader = (tid % 32) == 0;
   // Tile handoff: slot t % 2 holds this CTA's tile t. The tile warp (lane 0 claims and decodes)
   // writes the slot and arrives on kTileFull + slot; the K/V loader and the consumers sync on it
@@ -145,10 +149,11 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         if (__shfl_sync(0xffffffffu, lane == 0 ? slot.written : 0, 0)) barrier_sync(kTileEmpty + s, handoff_threads);
         if (lane == 0) {
           const bool first = !prev.written;
-          const int item = first ? first_item<kPair>() : next_item<kPair>(a, prev.item);
           const int item_heads = T::kDecode ? desc.decode.packed_heads : T::kItemHeads;
           const int splits = T::kDecode ? desc.decode.kv_splits : 1;
-          if (item < work_items(a, item_heads, splits))
+          const int items = work_items(a, item_heads, splits);
+          const int item = first ? first_item<kPair>() : next_item<kPair>(a, prev.item, items);
+          if (item < items)
             decode_tile(a, item, item_heads, first ? 0 : prev.first + prev.count, slot, kProxy ? kBlockN : 0,
                         splits);
           else slot.row = -1;  // no more work

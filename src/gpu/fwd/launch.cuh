@@ -87,6 +87,21 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
     if (!desc.tma) return cudaErrorNotSupported;
     PairLaunch<T> launch(2 * (cta_per_tile ? items : std::min(items, resident_pairs<T>(device, sms))), stream);
     return cudaLaunchKernelEx(&launch.config, kernel, *a, overflow, desc);
+  } else if constexpr (T::kDecode) {
+    // Programmatic dependent launch: the CTAs are placed while route preparation (a few blocks
+    // for a decode step) still runs, and wait for it in the kernel (griddepcontrol.wait), so the
+    // launch latency of a ~20 us step overlaps the preparation.
+    cudaLaunchAttribute dependent{};
+    dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    dependent.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(cta_per_tile ? items : std::min(items, sms));
+    config.blockDim = dim3(C::kThreads);
+    config.dynamicSmemBytes = C::kSmemBytes;
+    config.stream = stream;
+    config.attrs = &dependent;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, *a, overflow, desc);
   } else {
     kernel<<<cta_per_tile ? items : std::min(items, sms), C::kThreads, C::kSmemBytes, stream>>>(*a, overflow, desc);
     return cudaGetLastError();

@@ -43,17 +43,17 @@ struct RouteMask {
                                         int b) const {
     if constexpr (!kTokenTensors) {
       apply_positional(s, c, a.route, si);
-      return;
-    }
-    CUTE_UNROLL
-    for (int i = 0; i < size<0>(s); ++i) {
-      const auto [q, takes, partial] = row(get<0>(c(i, 0)), si);
+    } else {
       CUTE_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) {
-        const int col = get<1>(c(i, j));
-        bool visible = takes && col < n_valid;
-        if (visible && partial) visible = route::token_visible(a.route, si, b, q, k0 + col);
-        if (!visible) s(i, j) = -INFINITY;
+      for (int i = 0; i < size<0>(s); ++i) {
+        const auto [q, takes, partial] = row(get<0>(c(i, 0)), si);
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          const int col = get<1>(c(i, j));
+          bool visible = takes && col < n_valid;
+          if (visible && partial) visible = route::token_visible(a.route, si, b, q, k0 + col);
+          if (!visible) s(i, j) = -INFINITY;
+        }
       }
     }
   }

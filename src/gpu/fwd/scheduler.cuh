@@ -96,19 +96,24 @@ __device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, 
   t.first = first;
 }
 
-// This CTA's first item, and the one after `current`.
+// This CTA's first item, and the one after `current` (of `items`). The counter needs no reset
+// before a launch: each CTA starts with item blockIdx.x and claims until a claim fails, so a
+// launch makes exactly `items` claims (items - grid that succeed, one failing per CTA), and the
+// last of them (the old value items - 1) sets it back to zero for the next launch.
 template <bool kPair>
 __device__ __forceinline__ int first_item() {
   return kPair ? static_cast<int>(blockIdx.x) / 2 : static_cast<int>(blockIdx.x);
 }
 template <bool kPair>
-__device__ __forceinline__ int next_item(const AttentionParams& a, int current) {
+__device__ __forceinline__ int next_item(const AttentionParams& a, int current, int items) {
   if constexpr (kPair) {
     const int clusters = static_cast<int>(gridDim.x) / 2, c = static_cast<int>(blockIdx.x) / 2;
     const int group = current / clusters + 1;
     return group * clusters + (group % 2 == 0 ? c : clusters - 1 - c);
   } else {
-    return atomicAdd(a.work_counter, 1) + static_cast<int>(gridDim.x);
+    const int claimed = atomicAdd(a.work_counter, 1);
+    if (claimed == items - 1) atomicExch(a.work_counter, 0);
+    return claimed + static_cast<int>(gridDim.x);
   }
 }
 

@@ -56,6 +56,12 @@ inline Block*& block() {
   static Block* b = nullptr;
   return b;
 }
+
+// The grid of the launch being emulated.
+inline dim3& grid() {
+  static dim3 g;
+  return g;
+}
 // Fiber stacks, allocated once for the largest block seen.
 constexpr std::size_t kStackBytes = 64 * 1024;
 inline char* stacks(int threads) {
@@ -179,6 +185,7 @@ std::uint32_t collective(std::uint32_t value, const Combine& combine) {
 
 #define threadIdx (cuda_emulation::self().index)
 #define blockIdx (cuda_emulation::block()->index)
+#define gridDim (cuda_emulation::grid())
 
 inline void __syncthreads() { cuda_emulation::wait(cuda_emulation::Thread::at_block_barrier); }
 inline void __syncwarp(unsigned = 0xffffffffu) { cuda_emulation::wait(cuda_emulation::Thread::at_warp_barrier); }
@@ -210,6 +217,7 @@ void emulate_launch(Kernel kernel, dim3 grid, int threads, std::size_t shared_by
     std::fprintf(stderr, "emulate_launch: %zu bytes of shared memory, %zu available\n", shared_bytes, shared.bytes);
     std::abort();
   }
+  cuda_emulation::grid() = grid;
   for (unsigned y = 0; y < grid.y; ++y)
     for (unsigned x = 0; x < grid.x; ++x) {
       if (shared_bytes > 0) std::memset(shared.data, 0xff, shared_bytes);

@@ -39,6 +39,12 @@ inline int atomicCAS(int* p, int expected, int value) {
   if (old == expected) *p = value;
   return old;
 }
+inline int atomicExch(int* p, int v) {
+  const int old = *p;
+  *p = v;
+  return old;
+}
+inline void __threadfence() {}
 inline int atomicAdd(int* p, int v) {
   const int old = *p;
   *p += v;
@@ -64,6 +70,8 @@ void counted_launch(Kernel kernel, dim3 grid, int threads, std::size_t shared_by
 using namespace bsattn::route;
 
 int main() {
+  // The plan's flags, kept from launch to launch as in a plan (gpu/prepare_routes.hpp).
+  std::vector<std::int32_t> flag(bsattn::gpu::kRouteFlagWords, 0);
   std::mt19937 rng(7);
   const auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   long rows_checked = 0, records = 0, proxies = 0, bad = 0;
@@ -139,7 +147,7 @@ int main() {
       a.route = p;
       a.route_rows = rows;
       std::vector<Route> got(static_cast<std::size_t>(rows) * capacity), want(capacity);
-      std::vector<std::int32_t> got_counts(rows, -1), got_proxies(rows, -1), flag(2, 0);
+      std::vector<std::int32_t> got_counts(rows, -1), got_proxies(rows, -1);
       bsattn::gpu::prepare_routes(a, got.data(), got_counts.data(), flag.data(), nullptr,
                                   p.proxy_mode ? got_proxies.data() : nullptr);
       bool overflow = false;
@@ -172,6 +180,10 @@ int main() {
       }
       if ((flag[0] != 0) != overflow || (flag[0] && flag[1] != prepare_row(p, flag[0] - 1, want.data()))) {
         if (bad++ < 5) std::printf("case %d: overflow flag {%d, %d}, overflow expected: %d\n", it, flag[0], flag[1], overflow);
+      }
+      // No memset between launches: the kernel must leave its own words zero for the next one.
+      if (flag[3] != 0 || flag[4] != 0 || flag[5] != 0) {
+        if (bad++ < 5) std::printf("case %d: flags left {%d, %d, %d}\n", it, flag[3], flag[4], flag[5]);
       }
     }
   }
