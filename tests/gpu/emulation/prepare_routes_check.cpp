@@ -10,6 +10,8 @@
 //   g++ -std=c++20 -O2 -w -DBSATTN_GPU_HOST_EMULATION=1 -I tests/gpu/emulation/stub_cub -I tests/gpu/emulation \
 //     -I include -I src -I /usr/local/cuda/include tests/gpu/emulation/prepare_routes_check.cpp -o /tmp/prep_check \
 //     && /tmp/prep_check
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -69,14 +71,17 @@ void counted_launch(Kernel kernel, dim3 grid, int threads, std::size_t shared_by
 
 using namespace bsattn::route;
 
-int main() {
+// argv[1]: a divisor of the number of random cases (ctest runs a sixteenth of them).
+int main(int argc, char** argv) {
+  const int divisor = argc > 1 ? std::max(1, std::atoi(argv[1])) : 1;
+  const int short_cases = 400 / divisor, cases = short_cases + 120 / divisor;
   // The plan's flags, kept from launch to launch as in a plan (gpu/prepare_routes.hpp).
   std::vector<std::int32_t> flag(bsattn::gpu::kRouteFlagWords, 0);
   std::mt19937 rng(7);
   const auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   long rows_checked = 0, records = 0, proxies = 0, bad = 0;
-  for (int it = 0; it < 520; ++it) {
-    const bool long_rows = it >= 400;  // few rows of many blocks (a decode step)
+  for (int it = 0; it < cases; ++it) {
+    const bool long_rows = it >= short_cases;  // few rows of many blocks (a decode step)
     RouteParams p;
     p.batch = uni(1, 2);
     p.heads_q = p.heads_kv = p.sparsity_heads = uni(1, 2);
