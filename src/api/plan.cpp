@@ -482,11 +482,11 @@ void Plan::Impl::run_decode_splits(const AttentionParams& a, const gpu::TokenExt
   splits.lse_token_stride = 1;
   decode.result_type = a.out_type;
   decode.result.out = a.out;
-  decode.result.out_batch_stride = varlen ? 0 : a.out_batch_stride;  // varlen: one batch of total_q rows
+  decode.result.out_batch_stride = a.out_batch_stride;  // varlen: merge_splits takes batch 0, row q_base + q
   decode.result.out_token_stride = a.out_token_stride;
   decode.result.out_head_stride = a.out_head_stride;
   decode.result.lse = a.lse;
-  decode.result.lse_batch_stride = varlen ? 0 : a.lse_batch_stride;
+  decode.result.lse_batch_stride = a.lse_batch_stride;
   decode.result.lse_head_stride = a.lse_head_stride;
   decode.result.lse_token_stride = a.lse_token_stride;
   decode.split_arrivals = ws.split_arrivals;
