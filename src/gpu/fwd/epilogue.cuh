@@ -53,7 +53,7 @@ __device__ __forceinline__ void bulk_store_wait() {
 // guarantees O's base and strides are 16-byte aligned (SPEC: vector access). `shift`: elements
 // added to O's offsets (a decode split's partial result).
 template <class Out, int kHeadDim, bool kPacked, class TO, class TC>
-__device__ __forceinline__ void store_tile(const TO& o, const TC& c, char* stage, const AttentionParams& a,
+__device__ __forceinline__ void store_tile(const TO& o, const TC& c, const TC& c0, char* stage, const AttentionParams& a,
                                            const CUtensorMap* o_map, const route::SeqInfo& si, int b, int h,
                                            int q_begin, TileRows<kPacked> rows, std::int64_t shift, int wg_tid,
                                            int barrier_id) {
@@ -65,13 +65,16 @@ __device__ __forceinline__ void store_tile(const TO& o, const TC& c, char* stage
   const bool bulk = kPasses == 1 && o_map != nullptr && q_begin + rows.tokens() <= si.seqlen_q;
   CUTE_UNROLL
   for (int pass = 0; pass < kPasses; ++pass) {
-    const int c0 = pass * kCols;
     CUTE_UNROLL
     for (int i = 0; i < size<0>(o); ++i) {
       CUTE_UNROLL
       for (int j = 0; j < size<1>(o); j += 2) {
-        const int r = get<0>(c(i, j)), col = get<1>(c(i, j)) - c0;
-        if (kPasses > 1 && (col < 0 || col >= kCols)) continue;
+        // The pass of a pair, from thread 0's coordinates (`c0`): every thread's columns of a
+        // wgmma C fragment lie in the fragment's 8 columns, so the pass is the same for all and
+        // known at compile time (from `c`, which comes from an opaque thread index, ptxas kept
+        // a branch per pair: 64 per tile of a 4-byte output).
+        if (kPasses > 1 && get<1>(c0(i, j)) / kCols != pass) continue;
+        const int r = get<0>(c(i, j)), col = get<1>(c(i, j)) - pass * kCols;
         store_pair_smem<Out>(stage + staged_offset(r, col * static_cast<int>(sizeof(Out))), o(i, j), o(i, j + 1));
       }
     }
@@ -93,7 +96,8 @@ __device__ __forceinline__ void store_tile(const TO& o, const TC& c, char* stage
       const int q = q_begin + rows.token(r);
       if (q >= si.seqlen_q) continue;
       const char* src = stage + staged_offset(r, chunk * 16);
-      Out* dst = static_cast<Out*>(a.out) + shift + a.out_offset(b, si, q, h + rows.head(r)) + c0 + chunk * kPerChunk;
+      Out* dst = static_cast<Out*>(a.out) + shift + a.out_offset(b, si, q, h + rows.head(r)) + pass * kCols +
+                 chunk * kPerChunk;
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
     }
     barrier_sync(barrier_id, 128);  // the buffer is free again (next pass, or back to the producer)
@@ -102,7 +106,8 @@ __device__ __forceinline__ void store_tile(const TO& o, const TC& c, char* stage
 
 // Normalised O (rowcol view `o`, coordinates `c` in the 64 x D tile) and LSE of one warpgroup.
 template <int kHeadDim, bool kPacked, class TO, class TC, int kRows>
-__device__ __forceinline__ void store_output(const TO& o, const TC& c, const float (&lse)[kRows], char* stage,
+__device__ __forceinline__ void store_output(const TO& o, const TC& c, const TC& c0, const float (&lse)[kRows],
+                                             char* stage,
                                              const AttentionParams& a, const CUtensorMap* o_map,
                                              const route::SeqInfo& si, int b, int h, int q_begin,
                                              TileRows<kPacked> rows, const OutputShift& shift, int wg_tid,
@@ -116,13 +121,13 @@ __device__ __forceinline__ void store_output(const TO& o, const TC& c, const flo
   }
   switch (a.out_type) {
     case ElementType::f32:
-      store_tile<float, kHeadDim>(o, c, stage, a, nullptr, si, b, h, q_begin, rows, shift.out, wg_tid, barrier_id);
+      store_tile<float, kHeadDim>(o, c, c0, stage, a, nullptr, si, b, h, q_begin, rows, shift.out, wg_tid, barrier_id);
       break;
     case ElementType::f16:
-      store_tile<__half, kHeadDim>(o, c, stage, a, o_map, si, b, h, q_begin, rows, shift.out, wg_tid, barrier_id);
+      store_tile<__half, kHeadDim>(o, c, c0, stage, a, o_map, si, b, h, q_begin, rows, shift.out, wg_tid, barrier_id);
       break;
     case ElementType::bf16:
-      store_tile<__nv_bfloat16, kHeadDim>(o, c, stage, a, o_map, si, b, h, q_begin, rows, shift.out, wg_tid,
+      store_tile<__nv_bfloat16, kHeadDim>(o, c, c0, stage, a, o_map, si, b, h, q_begin, rows, shift.out, wg_tid,
                                           barrier_id);
       break;
   }

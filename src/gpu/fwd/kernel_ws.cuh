@@ -401,7 +401,10 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         stage = reinterpret_cast<char*>(wg == 0 ? st.k + (last % kStages) * kBlockN * kHeadDim
                                                 : st.v + (last % kStages) * kBlockN * kHeadDim);
       }
-      store_output<kHeadDim>(o_rc, co_rc, lse, stage, a, desc.tma_out ? &desc.o : nullptr, out_si, out_b, head,
+      // Thread 0's coordinates: what the epilogue may fold at compile time (epilogue.cuh).
+      Tensor tOcO0 = mma_pv.get_thread_slice(0).partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+      Tensor co_rc0 = make_tensor(tOcO0.data(), acc_rowcol(tOcO0.layout()));
+      store_output<kHeadDim>(o_rc, co_rc, co_rc0, lse, stage, a, desc.tma_out ? &desc.o : nullptr, out_si, out_b, head,
                              q_begin, tile_rows, shift, ltid, wg_barrier);
       if constexpr (T::kDecode) {
         if (ltid == 0 && desc.decode.kv_splits > 1)
