@@ -17,6 +17,7 @@
 
 #include "api/merge_params.hpp"
 #include "gpu/attention.hpp"
+#include "gpu/fwd/timeline.cuh"
 #include "gpu/fwd/utils.cuh"
 
 namespace bsattn::gpu::fwd {
@@ -82,7 +83,8 @@ struct SplitMerge {
 
 template <int kHeadDim>
 __device__ __forceinline__ void merge_splits(const AttentionParams& a, const DecodeGeometry& g, SplitMerge& job,
-                                             int tokens, int wg_tid, int barrier_id) {
+                                             int tokens, int wg_tid, int barrier_id,
+                                             std::uint64_t* timeline = nullptr) {
   __threadfence();  // this thread's partial stores, before the arrival below is seen
   barrier_sync(barrier_id, 128);
   if (!job.pending) return;
@@ -95,6 +97,7 @@ __device__ __forceinline__ void merge_splits(const AttentionParams& a, const Dec
     job.last = is_last;
   }
   barrier_sync(barrier_id, 128);
+  timeline_mark(timeline, kSplitArrived);
   if (!job.last) return;
   const route::SeqInfo si = job.si;
   const int b = job.b, h = job.head, q_begin = job.q_begin;
@@ -158,6 +161,7 @@ __device__ __forceinline__ void merge_splits(const AttentionParams& a, const Dec
     }
     if (chunk == 0 && g.result.lse) g.result.lse[g.result.lse_offset(rb, rq, head)] = acc.lse();
   }
+  timeline_mark(timeline, kSplitMerged);
 }
 
 }  // namespace bsattn::gpu::fwd

@@ -26,6 +26,7 @@
 #include "gpu/fwd/proxy.cuh"
 #include "gpu/fwd/scheduler.cuh"
 #include "gpu/fwd/softmax.cuh"
+#include "gpu/fwd/timeline.cuh"
 #include "gpu/fwd/traits.cuh"
 
 // Ping-pong scheduling of two consumer warpgroups (compile-time; measured slower, so off).
@@ -88,6 +89,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   const int tid = threadIdx.x;
   const int role = __shfl_sync(0xffffffffu, tid / 128, 0);  // 0: producer; 1..: consumer warpgroups
   if (tid == 0) {
+    timeline_mark(desc.timeline, kAtEntry);
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&bars.full_k[s], tma ? 1 : kLoaderThreads);
@@ -106,11 +108,13 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   }
   if constexpr (kPair) cluster_sync_threads();  // the peer's barriers are initialised before any use
   else __syncthreads();
+  if (tid == 0) timeline_mark(desc.timeline, kBarriersReady);
   // A decode launch may start before route preparation has finished (programmatic dependent
   // launch, launch.cuh): nothing the preparation writes is read before this wait (elsewhere a
   // no-op), so the CTAs' placement and barrier setup overlap it.
   if constexpr (T::kDecode) asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (*overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
+  if (tid == 0) timeline_mark(desc.timeline, kDependencyMet);
   const bool warp_leader = (tid % 32) == 0;
   // Tile handoff: slot t % 2 holds this CTA's tile t. The tile warp (lane 0 claims and decodes)
   // writes the slot and arrives on kTileFull + slot; the K/V loader and the consumers sync on it
@@ -158,11 +162,13 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
                         splits);
           else slot.row = -1;  // no more work
           slot.written = 1;
+          if (first) timeline_mark(desc.timeline, kTileDecoded);
         }
         __syncwarp();
         barrier_arrive(kTileFull + s, handoff_threads);
         if (slot.row < 0) return false;
         load_q<T>(slot, s, tma, a, desc, st, bars, pair_rank);
+        if (s == 0 && lane == 0 && !prev.written) timeline_mark(desc.timeline, kQIssued);
         return true;
       };
       while (hand_out(Int<0>{}) && hand_out(Int<1>{})) {
@@ -177,17 +183,21 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     // gather the summary rows of the proxy steps.
     const int issuers = !tma ? kLoaderThreads : a.route.paged ? 32 : 1;
     if (tid >= (kProxy ? kLoaderThreads : issuers)) return;
+    bool first_tile = true;  // for the timeline marks only
     const auto stream = [&](auto slot_index) -> bool {
       constexpr int s = decltype(slot_index)::value;
       barrier_sync(kTileFull + s, handoff_threads);
       const Tile& slot = sm.tile[s];
       if (slot.row < 0) return false;
+      if (tid == 0 && first_tile) timeline_mark(desc.timeline, kLoaderHasTile);
       if constexpr (kProxy) {
         if (tid < issuers) load_tile_routes<T>(slot, tma, a, desc, st, bars, tid);
         load_proxy_steps<T>(slot, tma, a, st, bars, tid);
       } else {
         load_tile_routes<T>(slot, tma, a, desc, st, bars, tid);
       }
+      if (tid == 0 && first_tile) timeline_mark(desc.timeline, kLoaderIssued);
+      first_tile = false;
       barrier_arrive(kTileEmpty + s, handoff_threads);
       return true;
     };
@@ -251,14 +261,18 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   // between wait_group<1> and <0> made ptxas serialise every wgmma: C7514).
   bool s_issued = false;  // S(first route) of `next` is in flight
   const Tile* next = take_tile(0);
+  const bool marker = tid == 128;  // timeline marks: consumer warpgroup 0's first thread
+  if (marker) timeline_mark(desc.timeline, kConsumerHasTile);
   for (int t = 0; next; ++t) {
     const Tile& tile = *next;
     Barrier::wait(&bars.full_q[wg], t & 1);
     cutlass::arch::fence_view_async_shared();  // the Q rows (cp.async) before wgmma reads them
+    if (marker && t == 0) timeline_mark(desc.timeline, kConsumerHasQ);
     const int count = tile.count, base = tile.first;  // pipeline position of the first route
     if (count > 0 && !s_issued) {
       wait_full(bars.full_k, base);
       wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, base % kStages), tSrS);
+      if (marker && t == 0) timeline_mark(desc.timeline, kConsumerFirstS);
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
@@ -387,6 +401,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       s_issued = false;
     }
     warpgroup_fence_operand(tOrO);
+    if (marker && t == 0) timeline_mark(desc.timeline, kConsumerLoopDone);
 
     if (q_begin - tile_row0 < out_si.seqlen_q) {  // else a tile past the sequence end: no rows
       float inv[kRows], lse[kRows];
@@ -406,6 +421,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       Tensor co_rc0 = make_tensor(tOcO0.data(), acc_rowcol(tOcO0.layout()));
       store_output<kHeadDim>(o_rc, co_rc, co_rc0, lse, stage, a, desc.tma_out ? &desc.o : nullptr, out_si, out_b, head,
                              q_begin, tile_rows, shift, ltid, wg_barrier);
+      if (marker && t == 0) timeline_mark(desc.timeline, kConsumerStored);
       if constexpr (T::kDecode) {
         if (ltid == 0 && desc.decode.kv_splits > 1)
           sm.split_merge = SplitMerge{1, 0, out_unit, out_b, head, q_begin, out_si};
@@ -425,9 +441,10 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   if constexpr (T::kDecode) {
     if (desc.decode.kv_splits > 1)
       merge_splits<kHeadDim>(a, desc.decode, sm.split_merge, TileRows<true>{desc.decode.tokens_log2}.tokens(),
-                             opaque_thread_index() % 128, wg_barrier);
+                             opaque_thread_index() % 128, wg_barrier, marker ? desc.timeline : nullptr);
   }
   bulk_store_wait<false>();  // O's bulk stores have completed before the CTA exits
+  if (marker) timeline_mark(desc.timeline, kConsumerExit);
   leave();
 #endif
 }

@@ -75,6 +75,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};
   desc.decode = decode;
+  desc.timeline = timeline_buffer();
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
   desc.tma = !no_tma && encode_maps<T>(*a, extents, desc) ? 1 : 0;
   // Persistent: one CTA per multiprocessor (the kernel's shared memory allows no second one).

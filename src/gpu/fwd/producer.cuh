@@ -86,6 +86,7 @@ struct LaunchDescriptors {
   int tma, tma_out;
   int page_box_rows, kv_pages;
   DecodeGeometry decode;
+  std::uint64_t* timeline;  // measurement builds only (timeline.cuh); else null
 };
 
 __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1,

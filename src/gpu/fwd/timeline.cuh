@@ -1,0 +1,53 @@
+// Per-CTA event times of the forward kernel, for finding where a short kernel's time goes (a
+// decode step's fixed cost): one thread per role writes %globaltimer (ns) and clock64 at a few
+// points of its first tile into `LaunchDescriptors::timeline`. Compiled only in a measurement
+// build (CMake -DBSATTN_GPU_TIMELINE=ON); the buffer's device address comes from the environment
+// variable BSATTN_GPU_TIMELINE_BUFFER (read at the first launch; bench/gpu/decode_timeline.py),
+// kTimelineSlots events x {globaltimer, clock64} per CTA. In a normal build the marks are no code.
+#pragma once
+#include <cstdint>
+#include <cstdlib>
+
+namespace bsattn::gpu::fwd {
+
+enum TimelineEvent : int {
+  kAtEntry = 0,        // thread 0, first instruction
+  kBarriersReady,      // thread 0, after the mbarrier setup's __syncthreads
+  kDependencyMet,      // thread 0, after griddepcontrol.wait and the overflow flag
+  kTileDecoded,        // tile warp, first tile written to its slot
+  kQIssued,            // tile warp, first tile's Q load issued
+  kLoaderHasTile,      // loader, first tile taken
+  kLoaderIssued,       // loader, first tile's K/V loads issued
+  kConsumerHasTile,    // consumer warpgroup 0, first tile taken
+  kConsumerHasQ,       // its Q has landed
+  kConsumerFirstS,     // the first S GEMM issued (its K has landed)
+  kConsumerLoopDone,   // the tile's last PV done and the next tile taken
+  kConsumerStored,     // the epilogue's stores issued
+  kSplitArrived,       // decode split-KV: arrival counted
+  kSplitMerged,        // the last split's merge done
+  kConsumerExit,       // consumer warpgroup 0, before it returns
+  kTimelineSlots = 16
+};
+
+#if BSATTN_GPU_TIMELINE
+__device__ __forceinline__ void timeline_mark(std::uint64_t* buffer, TimelineEvent event) {
+  if (!buffer) return;
+  std::uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  std::uint64_t* at = buffer + (static_cast<std::size_t>(blockIdx.x) * kTimelineSlots + event) * 2;
+  at[0] = ns;
+  at[1] = static_cast<std::uint64_t>(clock64());
+}
+inline std::uint64_t* timeline_buffer() {
+  static std::uint64_t* const buffer = [] {
+    const char* s = std::getenv("BSATTN_GPU_TIMELINE_BUFFER");
+    return s ? reinterpret_cast<std::uint64_t*>(std::strtoull(s, nullptr, 0)) : nullptr;
+  }();
+  return buffer;
+}
+#else
+__device__ __forceinline__ void timeline_mark(std::uint64_t*, TimelineEvent) {}
+inline std::uint64_t* timeline_buffer() { return nullptr; }
+#endif
+
+}  // namespace bsattn::gpu::fwd
