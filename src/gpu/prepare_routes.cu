@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "bsattn/route/prepare.hpp"
+#include "gpu/fwd/timeline.cuh"
 
 // tests/gpu/emulation runs the kernels' logic on the host.
 #if defined(BSATTN_GPU_HOST_EMULATION)
@@ -129,9 +130,10 @@ __device__ int proxy_pass(const route::RouteParams& p, route::RowState<kUnits>& 
 // The last block to finish publishes the launch's overflow flag (flags[3, 4] -> [0, 1]) and zeroes
 // the pending pair and the block count for the next launch (prepare_routes.hpp). The pending
 // values are taken by atomics: this multiprocessor's L1 may hold stale lines of them.
-__device__ __forceinline__ void publish_overflow(std::int32_t* flags) {
+__device__ __forceinline__ void publish_overflow(std::int32_t* flags, std::uint64_t* timeline) {
   __syncthreads();
   if (threadIdx.x != 0) return;
+  fwd::timeline_mark(timeline, fwd::kPrepareWritten);
   __threadfence();
   if (atomicAdd(&flags[5], 1) != static_cast<int>(gridDim.x) - 1) return;
   __threadfence();
@@ -139,13 +141,15 @@ __device__ __forceinline__ void publish_overflow(std::int32_t* flags) {
   flags[0] = row;
   flags[1] = needed;
   atomicExch(&flags[5], 0);
+  fwd::timeline_mark(timeline, fwd::kPreparePublished);
 }
 
 template <int kUnits, bool kProxy, bool kSplit>
 __global__ void __launch_bounds__(kSplit ? 32 * kMaxSplitWarps : kRowThreads)
     prepare_routes_kernel(const route::RouteParams p, int rows, route::Route* routes, std::int32_t* counts,
-                          std::int32_t* proxy_counts, std::int32_t* flags) {
+                          std::int32_t* proxy_counts, std::int32_t* flags, std::uint64_t* timeline) {
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) fwd::timeline_mark(timeline, fwd::kPrepareEntry);
   // A decode kernel launched after this one (programmatic dependent launch) may be placed now; it
   // waits for this grid's completion before reading anything written here.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -158,6 +162,7 @@ __global__ void __launch_bounds__(kSplit ? 32 * kMaxSplitWarps : kRowThreads)
     route::RowState<kUnits> r;
     int count = 0, exact = 0;
     if (route::open_row(p, row, r)) {  // the same for the whole block
+      if (threadIdx.x == 0) fwd::timeline_mark(timeline, fwd::kPrepareRowOpen);
       const BlockRun run = block_run(r, part, parts);
       int exact_at = 0, proxy_at = 0;
       if constexpr (kSplit) {
@@ -170,6 +175,7 @@ __global__ void __launch_bounds__(kSplit ? 32 * kMaxSplitWarps : kRowThreads)
         }
         if (lane == 0) part_counts[part] = n_exact, part_counts[parts + part] = n_proxy;
         __syncthreads();
+        if (threadIdx.x == 0) fwd::timeline_mark(timeline, fwd::kPrepareCounted);
         int total_exact, total_proxy;
         exact_at = warp_exclusive_sum(lane < parts ? part_counts[lane] : 0, lane, &total_exact);
         proxy_at = warp_exclusive_sum(lane < parts ? part_counts[parts + lane] : 0, lane, &total_proxy);
@@ -197,7 +203,7 @@ __global__ void __launch_bounds__(kSplit ? 32 * kMaxSplitWarps : kRowThreads)
       }
     }
   }
-  publish_overflow(flags);
+  publish_overflow(flags, timeline);
 }
 
 // f(std::integral_constant<int, kUnits>) with kUnits >= tile_m / unit_m (1, 2, 4 or 8).
@@ -264,13 +270,13 @@ cudaError_t prepare_routes(const AttentionParams& a, route::Route* routes, std::
       const auto kernel =
           proxy ? prepare_routes_kernel<kUnits, true, true> : prepare_routes_kernel<kUnits, false, true>;
       BSATTN_LAUNCH(kernel, rows, 32 * split, 2 * split * sizeof(std::int32_t), stream, p, rows, routes, counts,
-                    proxy ? proxy_counts : nullptr, overflow);
+                    proxy ? proxy_counts : nullptr, overflow, fwd::timeline_buffer(1));
     } else {
       constexpr int kRowsPerBlock = kRowThreads / 32;
       const auto kernel =
           proxy ? prepare_routes_kernel<kUnits, true, false> : prepare_routes_kernel<kUnits, false, false>;
       BSATTN_LAUNCH(kernel, std::max(1, (rows + kRowsPerBlock - 1) / kRowsPerBlock), kRowThreads, 0, stream, p, rows, routes,
-                    counts, proxy ? proxy_counts : nullptr, overflow);
+                    counts, proxy ? proxy_counts : nullptr, overflow, fwd::timeline_buffer(1));
     }
     return cudaGetLastError();
   });

@@ -112,6 +112,46 @@ TEST(GpuDecode, EveryFormatGroupAndLayout) {
     }
 }
 
+// A decode step whose routes overflow the workspace writes nothing, split-KV or not: its tile
+// warp loads the first tile's Q before route preparation has finished (kernel_ws.cuh) and leaves
+// once Q has landed; the next runs on the same plan overflow again (the split arrival counts were
+// not advanced), and a plan with room gives the CPU engine's result.
+TEST(GpuDecode, RouteOverflowWritesNothing) {
+  REQUIRE_SM90();
+  for (const int batch : {1, 3}) {  // one sequence: split-KV; three: no split
+    CaseSpec spec;
+    spec.format = Format::all_blocks;
+    spec.hq = 8;
+    spec.hkv = 2;
+    spec.max_seqlen_q = 1;
+    spec.max_seqlen = 2600;
+    spec.batch = batch;
+    spec.seed = 7200 + batch;
+    spec.mask = 1;  // causal: one query sees every block
+    auto c = make_case(spec);
+    SCOPED_TRACE(c->name);
+    c->problem.max_routes_per_row = 2;
+    {
+      Plan plan(c->problem);
+      expect_decode_plan(plan);
+      for (int run = 0; run < 2; ++run) {
+        c->poison_outputs();
+        plan.run(c->in_device, c->out_device, nullptr);
+        EXPECT_THROW(plan.check(nullptr), Error);
+        CUDA_OK(cudaDeviceSynchronize());
+        c->out->download();
+        for (unsigned char x : c->out->host) ASSERT_EQ(x, 0xff);
+        c->lse->download();
+        for (unsigned char x : c->lse->host) ASSERT_EQ(x, 0xff);
+      }
+    }
+    c->problem.max_routes_per_row = 0;
+    c->poison_outputs();
+    run_gpu(*c);
+    expect_close(*c, download(*c), run_cpu(*c));
+  }
+}
+
 // Clears about half of the set bits of a bitmask set (a subset stays a valid pattern), on the host
 // and at the same device address.
 void thin_bitmask(const TensorView& host, const TensorView& device, std::mt19937_64& rng) {

@@ -104,7 +104,7 @@ __device__ __forceinline__ void merge_splits(const AttentionParams& a, const Dec
   // Rows of the tile inside the sequence: `rows_per_head` tokens of each of the packed heads.
   const int rows_per_head = min(tokens, si.seqlen_q - q_begin), heads = 64 / tokens;
   constexpr int kChunks = kHeadDim / 4;  // float4 per row
-  constexpr int kBatch = 8;              // splits whose loads are in flight together
+  constexpr int kBatch = 16;             // splits whose loads are in flight together (8: 3.5 us per merge)
   const float* parts = static_cast<const float*>(a.out);
   const bool varlen = a.route.varlen_q;
   for (int idx = wg_tid; idx < rows_per_head * heads * kChunks; idx += 128) {

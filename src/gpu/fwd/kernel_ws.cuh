@@ -111,9 +111,13 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   if (tid == 0) timeline_mark(desc.timeline, kBarriersReady);
   // A decode launch may start before route preparation has finished (programmatic dependent
   // launch, launch.cuh): nothing the preparation writes is read before this wait (elsewhere a
-  // no-op), so the CTAs' placement and barrier setup overlap it.
-  if constexpr (T::kDecode) asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  if (*overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
+  // no-op), so the CTAs' placement and barrier setup overlap it. With rows in index order (no
+  // sort) the tile warp places its first tile and loads its Q first, and waits then (hand_out).
+  const bool q_before_routes = T::kDecode && a.row_order == nullptr;
+  if (!(q_before_routes && role == 0 && tid / 32 == C::kTileWarp)) {
+    if constexpr (T::kDecode) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if (*overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
+  }
   if (tid == 0) timeline_mark(desc.timeline, kDependencyMet);
   const bool warp_leader = (tid % 32) == 0;
   // Tile handoff: slot t % 2 holds this CTA's tile t. The tile warp (lane 0 claims and decodes)
@@ -145,30 +149,45 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       // compile-time constant, so no tile counter is held (the 40-register producer spilled
       // one): the slots' `written` flags tell the first two tiles, and the previous tile's slot
       // gives the next item and pipeline position. Returns false once it wrote the end of work.
+      // q_early: this tile's Q is loaded before the wait for route preparation (the first tile
+      // of a decode kernel with rows in index order), whatever its route count.
+      bool q_early = q_before_routes;
       const auto hand_out = [&](auto slot_index) -> bool {
         constexpr int s = decltype(slot_index)::value;
         Tile& slot = sm.tile[s];
         const Tile& prev = sm.tile[1 - s];
+        const int item_heads = T::kDecode ? desc.decode.packed_heads : T::kItemHeads;
+        const int splits = T::kDecode ? desc.decode.kv_splits : 1;
         // Lane 0 alone reads the flag it writes below.
         if (__shfl_sync(0xffffffffu, lane == 0 ? slot.written : 0, 0)) barrier_sync(kTileEmpty + s, handoff_threads);
         if (lane == 0) {
-          const bool first = !prev.written;
-          const int item_heads = T::kDecode ? desc.decode.packed_heads : T::kItemHeads;
-          const int splits = T::kDecode ? desc.decode.kv_splits : 1;
           const int items = work_items(a, item_heads, splits);
-          const int item = first ? first_item<kPair>() : next_item<kPair>(a, prev.item, items);
-          if (item < items)
-            decode_tile(a, item, item_heads, first ? 0 : prev.first + prev.count, slot, kProxy ? kBlockN : 0,
-                        splits);
+          const int item = !prev.written ? first_item<kPair>() : next_item<kPair>(a, prev.item, items);
+          if (item < items) place_tile(a, item, item_heads, slot, splits);
           else slot.row = -1;  // no more work
+        }
+        __syncwarp();
+        const bool has_tile = slot.row >= 0;
+        if (q_early) {
+          if (has_tile) load_q<T>(slot, s, tma, a, desc, st, bars, pair_rank, true);
+          if (lane == 0) timeline_mark(desc.timeline, kQIssued);
+          asm volatile("griddepcontrol.wait;\n" ::: "memory");
+          if (*overflow != 0) {  // the other threads have left; Q must land before this warp does
+            if (has_tile && tma && lane == 0) Barrier::wait(&bars.full_q[0], 0);
+            return false;
+          }
+        }
+        if (lane == 0) {
+          if (has_tile) tile_routes(a, !prev.written ? 0 : prev.first + prev.count, slot, kProxy ? kBlockN : 0, splits);
           slot.written = 1;
-          if (first) timeline_mark(desc.timeline, kTileDecoded);
+          if (!prev.written) timeline_mark(desc.timeline, kTileDecoded);
         }
         __syncwarp();
         barrier_arrive(kTileFull + s, handoff_threads);
-        if (slot.row < 0) return false;
-        load_q<T>(slot, s, tma, a, desc, st, bars, pair_rank);
-        if (s == 0 && lane == 0 && !prev.written) timeline_mark(desc.timeline, kQIssued);
+        if (!has_tile) return false;
+        if (!q_early) load_q<T>(slot, s, tma, a, desc, st, bars, pair_rank, slot.count > 0);
+        if (s == 0 && lane == 0 && !q_early && !prev.written) timeline_mark(desc.timeline, kQIssued);
+        q_early = false;
         return true;
       };
       while (hand_out(Int<0>{}) && hand_out(Int<1>{})) {

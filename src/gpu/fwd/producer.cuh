@@ -297,12 +297,13 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
 // 0 issues D/64 boxes of 64 x 64 per warpgroup (rows past the sequence are rows of the next
 // sequence or zeros past the tensor: finite, and never stored); cp.async: the 32 lanes, rows past
 // the sequence zero-filled, each lane arriving when its copies have landed. A tile without routes
-// loads nothing (the arrivals alone: the consumers wait for every tile's Q). `parity`: the tile's
-// slot index (one Q load per tile, so phase t % 2).
+// (`any_routes` false) loads nothing (the arrivals alone: the consumers wait for every tile's Q).
+// `parity`: the tile's slot index (one Q load per tile, so phase t % 2).
 template <class T>
 __device__ __forceinline__ void load_q(const Tile& tile, int parity, bool tma, const AttentionParams& a,
                                        const LaunchDescriptors& desc, typename T::SharedStorage& st,
-                                       PipelineBarriers<T::kStages, T::kWarpgroups>& bars, int pair_rank) {
+                                       PipelineBarriers<T::kStages, T::kWarpgroups>& bars, int pair_rank,
+                                       bool any_routes) {
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kHeadDim = T::kHeadDim;
@@ -315,7 +316,7 @@ __device__ __forceinline__ void load_q(const Tile& tile, int parity, bool tma, c
     CUTE_UNROLL
     for (int wg = 0; wg < T::kWarpgroups; ++wg) {
       Barrier::wait(&bars.empty_q[wg], parity ^ 1);
-      if (tile.count == 0) {
+      if (!any_routes) {
         Barrier::arrive(&bars.full_q[wg]);
         continue;
       }
@@ -331,7 +332,7 @@ __device__ __forceinline__ void load_q(const Tile& tile, int parity, bool tma, c
   CUTE_UNROLL
   for (int wg = 0; wg < T::kWarpgroups; ++wg) {
     Barrier::wait(&bars.empty_q[wg], parity ^ 1);
-    if (tile.count > 0) {
+    if (any_routes) {
       const int head = warpgroup_head<T>(tile, wg, pair_rank);
       const int row0 = tile.q0 + warpgroup_row0<T>(wg);
       const TileRows<T::kDecode> rows{desc.decode.tokens_log2};

@@ -59,33 +59,40 @@ __host__ __device__ __forceinline__ int warpgroup_head(const Tile& tile, int wg,
 // Written field by field into the shared slot `t` as each is known: built in registers first, the
 // whole tile stayed live in the 40-register producer and spilled. The item, the KV head and the
 // pipeline position are kept in the slot for the same reason (registers held across the
-// producer's tile loop spilled). `proxy_columns`: columns of a proxy step (the kernel's kBlockN),
-// 0 in a kernel without proxy compensation.
+// producer's tile loop spilled). Two parts: where the tile is (place_tile: the item's row, heads,
+// sequence and first query; nothing route preparation writes unless rows were sorted) and its
+// routes (tile_routes: the row's count, written by route preparation), so that a decode kernel
+// can load the first tile's Q while preparation still runs.
 // `splits` > 1 (decode): the splits of one (row, head group) are adjacent items; split s takes
 // routes [s * ceil(n / splits), +ceil(n / splits)) of the row's n, possibly none.
-__device__ __forceinline__ void decode_tile(const AttentionParams& a, int item, int heads_per_tile, int first,
-                                            Tile& t, int proxy_columns = 0, int splits = 1) {
+__device__ __forceinline__ void place_tile(const AttentionParams& a, int item, int heads_per_tile, Tile& t,
+                                           int splits = 1) {
   const route::RouteParams& p = a.route;
   const int group = p.heads_q / p.sparsity_heads;
   const int per_row = group / heads_per_tile;
-  const int split = item % splits, unit = item / splits;
+  const int unit = item / splits;
   const int row = a.row_order ? a.row_order[unit / per_row] : unit / per_row;  // null: index order
   t.item = item;
   t.row = row;
-  t.split = split;
-  t.routes = a.routes + static_cast<std::int64_t>(row) * p.capacity;
+  t.split = item % splits;
   const route::RowCoordinates rc = route::row_coordinates(p, row);
   const int head = rc.hs * group + (unit % per_row) * heads_per_tile;
   t.head = head;
   t.hkv = head / (p.heads_q / p.heads_kv);
   t.b = rc.b;
-  const int q0 = rc.q_tile * p.tile_m;
-  t.q0 = q0;
-  const route::SeqInfo si = route::seq_info(p, rc.b);
-  t.si = si;
-  int records = q0 < si.seqlen_q ? a.route_counts[row] : 0;
+  t.q0 = rc.q_tile * p.tile_m;
+  t.si = route::seq_info(p, rc.b);
+}
+
+// `first`: the tile's pipeline position; `proxy_columns`: columns of a proxy step (the kernel's
+// kBlockN), 0 in a kernel without proxy compensation.
+__device__ __forceinline__ void tile_routes(const AttentionParams& a, int first, Tile& t, int proxy_columns = 0,
+                                            int splits = 1) {
+  const int row = t.row;
+  t.routes = a.routes + static_cast<std::int64_t>(row) * a.route.capacity;
+  int records = t.q0 < t.si.seqlen_q ? a.route_counts[row] : 0;
   if (splits > 1) {  // no proxy records in a decode kernel
-    const int share = (records + splits - 1) / splits, begin = min(records, split * share);
+    const int share = (records + splits - 1) / splits, begin = min(records, t.split * share);
     t.routes += begin;
     records = min(records - begin, share);
   }

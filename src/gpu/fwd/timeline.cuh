@@ -1,9 +1,11 @@
-// Per-CTA event times of the forward kernel, for finding where a short kernel's time goes (a
-// decode step's fixed cost): one thread per role writes %globaltimer (ns) and clock64 at a few
-// points of its first tile into `LaunchDescriptors::timeline`. Compiled only in a measurement
-// build (CMake -DBSATTN_GPU_TIMELINE=ON); the buffer's device address comes from the environment
-// variable BSATTN_GPU_TIMELINE_BUFFER (read at the first launch; bench/gpu/decode_timeline.py),
-// kTimelineSlots events x {globaltimer, clock64} per CTA. In a normal build the marks are no code.
+// Per-CTA event times of the forward kernel and of route preparation, for finding where a short
+// kernel's time goes (a decode step's fixed cost): one thread per role writes %globaltimer (ns)
+// and clock64 at a few points of its first tile into `LaunchDescriptors::timeline`. Compiled only
+// in a measurement build (CMake -DBSATTN_GPU_TIMELINE=ON); the buffer's device address comes from
+// the environment variable BSATTN_GPU_TIMELINE_BUFFER (read at the first launch;
+// bench/gpu/decode_timeline.py): two regions of kTimelineCtas x kTimelineSlots x {globaltimer,
+// clock64}, the forward kernel's CTAs, then route preparation's blocks. In a normal build the
+// marks are no code.
 #pragma once
 #include <cstdint>
 #include <cstdlib>
@@ -28,9 +30,12 @@ enum TimelineEvent : int {
   kConsumerExit,       // consumer warpgroup 0, before it returns
   kTimelineSlots = 16
 };
+// Route preparation's block marks (thread 0), in the second region.
+enum PrepareEvent : int { kPrepareEntry = 0, kPrepareRowOpen, kPrepareCounted, kPrepareWritten, kPreparePublished };
+constexpr int kTimelineCtas = 1024;
 
 #if BSATTN_GPU_TIMELINE
-__device__ __forceinline__ void timeline_mark(std::uint64_t* buffer, TimelineEvent event) {
+__device__ __forceinline__ void timeline_mark(std::uint64_t* buffer, int event) {
   if (!buffer) return;
   std::uint64_t ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
@@ -38,16 +43,17 @@ __device__ __forceinline__ void timeline_mark(std::uint64_t* buffer, TimelineEve
   at[0] = ns;
   at[1] = static_cast<std::uint64_t>(clock64());
 }
-inline std::uint64_t* timeline_buffer() {
+// region 0: the forward kernel; 1: route preparation.
+inline std::uint64_t* timeline_buffer(int region = 0) {
   static std::uint64_t* const buffer = [] {
     const char* s = std::getenv("BSATTN_GPU_TIMELINE_BUFFER");
     return s ? reinterpret_cast<std::uint64_t*>(std::strtoull(s, nullptr, 0)) : nullptr;
   }();
-  return buffer;
+  return buffer ? buffer + static_cast<std::size_t>(region) * kTimelineCtas * kTimelineSlots * 2 : nullptr;
 }
 #else
-__device__ __forceinline__ void timeline_mark(std::uint64_t*, TimelineEvent) {}
-inline std::uint64_t* timeline_buffer() { return nullptr; }
+__device__ __forceinline__ void timeline_mark(std::uint64_t*, int) {}
+inline std::uint64_t* timeline_buffer(int = 0) { return nullptr; }
 #endif
 
 }  // namespace bsattn::gpu::fwd
