@@ -232,7 +232,7 @@ struct Plan::Impl {
   Inputs checked_inputs;
   Outputs checked_outputs;
   bool structure_checked = false;
-  void prepare_gpu_routes(AttentionParams& a, Stream stream);
+  void prepare_gpu_routes(AttentionParams& a, Stream stream, bool launch = true);
 #if BSATTN_WITH_CUDA
   void run_decode_splits(const AttentionParams& a, const gpu::TokenExtents& extents, gpu::DecodeShape& decode,
                          cudaStream_t s);
@@ -423,7 +423,6 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   const auto s = static_cast<cudaStream_t>(stream);
   DeviceWorkspace& ws = *device;
   route::RouteParams& p = a.route;
-  prepare_gpu_routes(a, stream);
   // Longest rows first only matters when work items queue for multiprocessors; with fewer (a
   // decode step: a few rows, split over the SMs) the rows run in index order and the sort's
   // launch (a few us of a ~20 us step) is saved.
@@ -432,7 +431,12 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   const std::int64_t items_at_most = static_cast<std::int64_t>(a.route_rows) *
                                      (p.heads_q / p.sparsity_heads / std::max(1, tiles.packed_heads)) *
                                      std::max(1, tiles.kv_splits);
-  if (items_at_most > gpu::multiprocessors(problem.device_index))
+  const bool items_fit = items_at_most <= gpu::multiprocessors(problem.device_index);
+  // A decode step whose routes follow from the sequence lengths (route/prepare.hpp) and whose
+  // rows need no sort is one launch: the kernel makes its routes.
+  const bool routes_from_lengths = tiles.packed_heads > 0 && items_fit && route::routes_follow_lengths(p);
+  prepare_gpu_routes(a, stream, !routes_from_lengths);
+  if (!items_fit)
     cuda_check(gpu::order_rows_longest_first(ws.counts, a.route_rows, ws.row_order, s), "order_rows_longest_first");
   else
     a.row_order = nullptr;
@@ -450,6 +454,7 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   gpu::DecodeShape decode;
   decode.packed_heads = tiles.packed_heads;
   decode.kv_splits = tiles.kv_splits;
+  decode.routes_from_lengths = routes_from_lengths;
   if (tiles.kv_splits == 1) {
     cuda_check(gpu::run_forward(a, extents, ws.overflow, s, &decode), "forward kernel launch");
     return;
@@ -495,8 +500,9 @@ void Plan::Impl::run_decode_splits(const AttentionParams& a, const gpu::TokenExt
 
 // Derives varlen offsets when not given, binds the workspace and prepares the route stream on
 // `stream` (forward and backward alike). No memset: route preparation writes the overflow flag
-// every run and the kernels leave the counters zero (gpu/prepare_routes.hpp).
-void Plan::Impl::prepare_gpu_routes(AttentionParams& a, Stream stream) {
+// every run and the kernels leave the counters zero (gpu/prepare_routes.hpp). `launch` false: a
+// decode kernel makes its routes from the lengths; the flags stay as the plan zeroed them.
+void Plan::Impl::prepare_gpu_routes(AttentionParams& a, Stream stream, bool launch) {
   const auto s = static_cast<cudaStream_t>(stream);
   DeviceWorkspace& ws = *device;
   attach_varlen_block_offsets(a.route, ws.cu_total_m_blocks, ws.cu_block_idx_offsets,
@@ -508,6 +514,7 @@ void Plan::Impl::prepare_gpu_routes(AttentionParams& a, Stream stream) {
   a.row_order = ws.row_order;
   a.work_counter = ws.work_counter;
   if (a.route.proxy_mode != 0) a.route_proxy_counts = ws.proxy_counts;
+  if (!launch) return;
   cuda_check(gpu::prepare_routes(a, ws.routes, ws.counts, ws.overflow, s,
                                  a.route.proxy_mode != 0 ? ws.proxy_counts : nullptr),
              "prepare_routes");

@@ -87,6 +87,49 @@ void expect_routes(const std::vector<Route>& got, const std::vector<Expected>& w
   }
 }
 
+// routes_follow_lengths: what the GPU decode kernel makes from the lengths (the first
+// prefix_tiles KV tiles, unit 0, masked where the positional mask cuts the tile:
+// gpu/fwd/scheduler.cuh route_at) is what prepare_row writes, on random geometries, masks
+// (none, causal in both alignments, right windows, sinks) and lengths, empty sequences included.
+TEST(RouteTest, RoutesFollowingTheLengthsAreWhatPreparationWrites) {
+  std::mt19937_64 rng(2024);
+  const auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int trial = 0; trial < 3000; ++trial) {
+    const int tile_m = 16 << uni(0, 2), block_q = tile_m << uni(0, 2), tile_n = 64 << uni(0, 1);
+    const int block_kv = tile_n << uni(0, 1);
+    RouteParams p = geometry(uni(0, tile_m), uni(0, 3000), block_q, block_kv, tile_m, tile_n);
+    p.max_seqlen_q = std::max(p.max_seqlen_q, 1);
+    p.max_q_tiles = 1;
+    p.causal = uni(0, 1) == 1;
+    p.top_left = uni(0, 2) == 0;
+    p.window_right = uni(0, 2) == 0 ? uni(0, 300) : -1;
+    p.sink_tokens = uni(0, 2) == 0 ? uni(0, 200) : 0;
+    p.capacity = 64;
+    ASSERT_TRUE(bsattn::route::routes_follow_lengths(p));
+    const bsattn::route::SeqInfo si = bsattn::route::seq_info(p, 0);
+    const std::vector<Route> want = prepare(p, 0);
+    const int n = bsattn::route::prefix_tiles(p, si, 0);
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": sq " + std::to_string(si.seqlen_q) + " skv " +
+                 std::to_string(si.seqlen_kv) + " tile_n " + std::to_string(tile_n) + " causal " +
+                 std::to_string(p.causal) + " top_left " + std::to_string(p.top_left) + " window_right " +
+                 std::to_string(p.window_right) + " sinks " + std::to_string(p.sink_tokens));
+    ASSERT_EQ(n, static_cast<int>(want.size()));
+    for (int i = 0; i < n; ++i) {
+      const int k0 = i * tile_n;
+      const bool masked =
+          bsattn::route::classify_builtin(p, si, 0, 0, p.unit_m, k0, k0 + tile_n) == Visibility::partial;
+      EXPECT_EQ(want[i].index, i);
+      EXPECT_EQ(want[i].rows, 1u);
+      EXPECT_EQ(want[i].masked, masked ? 1u : 0u);
+    }
+  }
+  RouteParams p = geometry(16, 300, 64, 64, 16, 64);
+  p.window_left = 10;  // two-sided windows leave a row a band, not a prefix
+  EXPECT_FALSE(bsattn::route::routes_follow_lengths(p));
+  p = geometry(16, 300, 16, 64, 32, 64);  // two units per tile
+  EXPECT_FALSE(bsattn::route::routes_follow_lengths(p));
+}
+
 TEST(RouteTest, SplitsKvBlockIntoTilesAndStopsAtTheSequenceEnd) {
   // Bk = 64 cut into 16-token tiles; Skv = 70 leaves block 1 with a single live tile.
   const RouteParams p = geometry(64, 70, 64, 64, 64, 16);

@@ -112,6 +112,49 @@ TEST(GpuDecode, EveryFormatGroupAndLayout) {
     }
 }
 
+// Decode steps whose routes follow from the sequence lengths (every block; a mask that leaves each
+// row a prefix of its keys: none, causal in both alignments, a right window, sinks) make their
+// routes in the kernel, with no route preparation: a route capacity of one record per row, which
+// route preparation would overflow, still gives the CPU engine's result. Split and unsplit,
+// batched, varlen and paged, one query and several (a partly masked last tile).
+TEST(GpuDecode, StepWithRoutesFromLengths) {
+  REQUIRE_SM90();
+  struct Variant {
+    int mask;  // CaseSpec mask: 0 none, 1 causal
+    bool top_left;
+    int window_right, sinks;  // set on a mask-free case: a right window and sinks, not causal
+  };
+  const Variant variants[] = {{0, false, -1, 0}, {1, false, -1, 0}, {1, true, -1, 0}, {0, false, 37, 20}, {1, false, -1, 24}};
+  std::mt19937_64 rng(73);
+  std::uint64_t seed = 7300;
+  for (const Variant& v : variants)
+    for (int layout = 0; layout < 4; ++layout) {  // 0 one sequence (split), 1 batch 3, 2 varlen, 3 paged 16
+      CaseSpec spec;
+      spec.format = Format::all_blocks;
+      spec.varlen = layout == 2;
+      spec.hq = 8;
+      spec.hkv = 2;
+      spec.max_seqlen_q = layout == 1 ? 5 : 1;
+      spec.max_seqlen = 2600;
+      spec.batch = layout == 2 ? 0 : layout == 1 ? 3 : 1;
+      spec.mask = v.mask;
+      spec.seed = seed++;
+      auto c = make_case(spec);
+      if (layout == 3) page_kv(*c, 16, rng);
+      c->problem.mask.alignment = v.top_left ? Alignment::top_left : Alignment::bottom_right;
+      c->problem.mask.window_right = v.window_right;
+      c->problem.mask.sink_tokens = v.sinks;
+      c->problem.max_routes_per_row = 1;
+      SCOPED_TRACE(c->name + " layout " + std::to_string(layout) + " mask " + std::to_string(v.mask) +
+                   (v.top_left ? " top-left" : "") + " window_right " + std::to_string(v.window_right) + " sinks " +
+                   std::to_string(v.sinks));
+      c->poison_outputs();
+      run_gpu(*c);
+      c->problem.max_routes_per_row = 0;  // the CPU engine prepares routes
+      expect_close(*c, download(*c), run_cpu(*c));
+    }
+}
+
 // A decode step whose routes overflow the workspace writes nothing, split-KV or not: its tile
 // warp loads the first tile's Q before route preparation has finished (kernel_ws.cuh) and leaves
 // once Q has landed; the next runs on the same plan overflow again (the split arrival counts were
@@ -120,7 +163,9 @@ TEST(GpuDecode, RouteOverflowWritesNothing) {
   REQUIRE_SM90();
   for (const int batch : {1, 3}) {  // one sequence: split-KV; three: no split
     CaseSpec spec;
-    spec.format = Format::all_blocks;
+    spec.format = Format::bitmask;  // every block selected; all_blocks would make its routes (no overflow)
+    spec.full_set = false;
+    spec.density = 1.0;
     spec.hq = 8;
     spec.hkv = 2;
     spec.max_seqlen_q = 1;

@@ -209,6 +209,29 @@ struct NoCustomMask {
   BSATTN_HD bool keeps_whole(int, int, int, int, int, int) const { return true; }
 };
 
+// Routes that follow from the sequence lengths. With every block selected (all_blocks), no
+// proxy, one Q unit per tile, and a mask that is positional only and without a left window bound
+// (none, causal in either alignment, a right window, sinks), the keys a query row sees are a
+// prefix of its sequence that grows with the row: the routes of a route row are exactly its first
+// prefix_tiles KV tiles, each taken by the unit, masked where the mask cuts it (what
+// prepare_row writes). The GPU decode kernel then makes its routes itself and route preparation
+// is not launched (a B = 1 decode step waited 6-15 us for it on the H200).
+BSATTN_HD bool routes_follow_lengths(const RouteParams& p) {
+  return p.format == SetFormat::all_blocks && p.proxy_mode == 0 && !p.has_full && p.tile_m == p.unit_m &&
+         p.window_left < 0 && !p.doc_q && !p.kv_valid && !p.custom_mask;
+}
+
+// The KV tiles seen by a route tile's rows [q0, q0 + tile_m) under routes_follow_lengths: up to
+// the last row's last visible key (its window end or last sink, whichever is later).
+BSATTN_HD int prefix_tiles(const RouteParams& p, const SeqInfo& s, int q0) {
+  const int last_q = (q0 + p.tile_m < s.seqlen_q ? q0 + p.tile_m : s.seqlen_q) - 1;
+  if (last_q < q0) return 0;
+  const PositionalBounds b = positional_bounds(p, s, last_q);
+  int last_key = b.window_hi > b.sink_end - 1 ? b.window_hi : b.sink_end - 1;
+  if (last_key > s.seqlen_kv - 1) last_key = s.seqlen_kv - 1;
+  return last_key < 0 ? 0 : last_key / p.tile_n + 1;
+}
+
 struct RowCoordinates {
   int b, hs, q_tile;
 };

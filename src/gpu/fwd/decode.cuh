@@ -31,6 +31,7 @@ struct DecodeGeometry {
   merge::Layout result;  // with splits: where merge_splits writes O and LSE (the caller's outputs)
   ElementType result_type = ElementType::bf16;
   std::int32_t* split_arrivals = nullptr;  // with splits: per (route row, head group), zero between launches
+  int routes_from_lengths = 0;  // DecodeShape::routes_from_lengths
 };
 
 inline DecodeGeometry decode_geometry(const DecodeShape& s) {
@@ -44,6 +45,7 @@ inline DecodeGeometry decode_geometry(const DecodeShape& s) {
   g.result = s.result;
   g.result_type = s.result_type;
   g.split_arrivals = s.split_arrivals;
+  g.routes_from_lengths = s.routes_from_lengths ? 1 : 0;
   return g;
 }
 

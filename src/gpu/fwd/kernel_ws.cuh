@@ -114,6 +114,9 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   // no-op), so the CTAs' placement and barrier setup overlap it. With rows in index order (no
   // sort) the tile warp places its first tile and loads its Q first, and waits then (hand_out).
   const bool q_before_routes = T::kDecode && a.row_order == nullptr;
+  // Routes made from the sequence lengths (decode.cuh DecodeGeometry::routes_from_lengths): only
+  // with the positional mask, so never in the kernels that read token tensors.
+  constexpr bool kFromLengths = T::kDecode && !kTokenTensors;
   if (!(q_before_routes && role == 0 && tid / 32 == C::kTileWarp)) {
     if constexpr (T::kDecode) asm volatile("griddepcontrol.wait;\n" ::: "memory");
     if (*overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
@@ -178,7 +181,9 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
           }
         }
         if (lane == 0) {
-          if (has_tile) tile_routes(a, !prev.written ? 0 : prev.first + prev.count, slot, kProxy ? kBlockN : 0, splits);
+          if (has_tile)
+            tile_routes(a, !prev.written ? 0 : prev.first + prev.count, slot, kProxy ? kBlockN : 0, splits,
+                        kFromLengths && desc.decode.routes_from_lengths);
           slot.written = 1;
           if (!prev.written) timeline_mark(desc.timeline, kTileDecoded);
         }
@@ -303,7 +308,6 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     Tensor c_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
     Tensor co_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
     const route::SeqInfo& si = tile.si;
-    const route::Route* routes = tile.routes;
     const int tile_row0 = warpgroup_row0<T>(wg);
     const int head = warpgroup_head<T>(tile, wg, pair_rank);
     const int q_begin = tile.q0 + tile_row0;
@@ -358,7 +362,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       if (count > 1) release(bars.empty_k, base);
       else release_q();
       float rescale[kRows];  // of the last softmax: O takes it just before the next PV
-      mask_softmax(routes[0], 0, rescale);
+      mask_softmax(route_at<kFromLengths>(a, tile, 0), 0, rescale);
       convert_p();
       // Steady state: S(i+1) and PV(i) in flight together; O takes the rescale of softmax i
       // while S(i+1) runs (PV(i-1) is complete), not between PV(i) completing and the next
@@ -372,7 +376,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       for (int i = 0; i < count - 1; ++i) {
         // Read before the GEMMs are issued, so the load's latency hides under them (a register
         // carried one iteration ahead measured slower: bench/RESULTS.md).
-        const route::Route rt = routes[i + 1];
+        const route::Route rt = route_at<kFromLengths>(a, tile, i + 1);
         const int j = base + i;
         wait_full(bars.full_k, j + 1);
         if constexpr (kPingPong) barrier_sync(kSchedBarrier0 + wg, 256);

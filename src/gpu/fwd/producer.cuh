@@ -202,7 +202,7 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
   };
   for (int i = 0; i < tile.exact; ++i) {
     const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
-    const int k0 = tile.routes[i].index * p.tile_n;
+    const int k0 = route_index(tile, i) * p.tile_n;
     const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
     const int rows = lane < boxes ? max(0, min(box_rows, n_valid - r0)) : 0;
     const int page = rows == box_rows ? table[(k0 + r0) / page_size] : desc.kv_pages;
@@ -243,7 +243,7 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
     };
     for (int i = 0; i < tile.exact; ++i) {
       const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
-      const int token = tok0 + tile.routes[i].index * p.tile_n;
+      const int token = tok0 + route_index(tile, i) * p.tile_n;
       load(st.k, &desc.k, bars.full_k, bars.empty_k, stage, phase, token);
       load(st.v, &desc.v, bars.full_v, bars.empty_v, stage, phase, token);
     }
@@ -263,7 +263,7 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
       const int lane = ptid % 32;
       for (int i = 0; i < tile.exact; ++i) {
         const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
-        const int k0 = tile.routes[i].index * p.tile_n;
+        const int k0 = route_index(tile, i) * p.tile_n;
         const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
         const int first_page = k0 / a.page_size;
         const int lane_page = first_page + lane < live_pages ? table[first_page + lane] : 0;
@@ -284,7 +284,7 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
         v + a.kv_offset(tile.b, tile.si, 0, hkv, a.v_batch_stride, a.v_token_stride, a.v_head_stride), a.v_token_stride};
     for (int i = 0; i < tile.exact; ++i) {
       const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
-      const int k0 = tile.routes[i].index * p.tile_n;
+      const int k0 = route_index(tile, i) * p.tile_n;
       const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
       load(std::false_type{}, k_rows, bars.full_k, bars.empty_k, stage, phase, k0, n_valid);
       load(std::true_type{}, v_rows, bars.full_v, bars.empty_v, stage, phase, k0, n_valid);

@@ -40,8 +40,9 @@ struct Tile {
   int exact;  // exact routes (the proxy records follow them in the row)
   int proxies;  // proxy records, gathered kBlockN to a pipeline step (proxy kernels; else 0)
   int split;    // share of the row's routes (decode split-KV; else 0)
+  int route0;   // the row's route index of routes[0] (its split's first)
   route::SeqInfo si;
-  const route::Route* routes;
+  const route::Route* routes;  // null: routes that follow from the lengths (route_at)
 };
 
 // First row (in the route tile) and query head of consumer warpgroup `wg`: without packing the
@@ -85,15 +86,24 @@ __device__ __forceinline__ void place_tile(const AttentionParams& a, int item, i
 }
 
 // `first`: the tile's pipeline position; `proxy_columns`: columns of a proxy step (the kernel's
-// kBlockN), 0 in a kernel without proxy compensation.
+// kBlockN), 0 in a kernel without proxy compensation. `from_lengths`: no route preparation ran,
+// the row's routes are its sequence's first prefix_tiles KV tiles (route_at).
 __device__ __forceinline__ void tile_routes(const AttentionParams& a, int first, Tile& t, int proxy_columns = 0,
-                                            int splits = 1) {
+                                            int splits = 1, bool from_lengths = false) {
   const int row = t.row;
-  t.routes = a.routes + static_cast<std::int64_t>(row) * a.route.capacity;
-  int records = t.q0 < t.si.seqlen_q ? a.route_counts[row] : 0;
+  int records = 0;
+  if (from_lengths) {
+    t.routes = nullptr;
+    if (t.q0 < t.si.seqlen_q) records = route::prefix_tiles(a.route, t.si, t.q0);
+  } else {
+    t.routes = a.routes + static_cast<std::int64_t>(row) * a.route.capacity;
+    if (t.q0 < t.si.seqlen_q) records = a.route_counts[row];
+  }
+  t.route0 = 0;
   if (splits > 1) {  // no proxy records in a decode kernel
     const int share = (records + splits - 1) / splits, begin = min(records, t.split * share);
-    t.routes += begin;
+    if (t.routes) t.routes += begin;
+    t.route0 = begin;
     records = min(records - begin, share);
   }
   const int proxies = proxy_columns > 0 && records > 0 ? a.route_proxy_counts[row] : 0;
@@ -101,6 +111,26 @@ __device__ __forceinline__ void tile_routes(const AttentionParams& a, int first,
   t.proxies = proxies;
   t.count = records - proxies + (proxy_columns > 0 ? (proxies + proxy_columns - 1) / proxy_columns : 0);
   t.first = first;
+}
+
+// Route i of a tile. Made from the lengths (t.routes null; only in kernels built with
+// kFromLengths): KV tile route0 + i for the tile's one Q unit, masked where the positional mask
+// (the only one: route::routes_follow_lengths) cuts it for the unit's rows, as route preparation
+// classifies it. The rectangle is never empty: i < prefix_tiles.
+__device__ __forceinline__ int route_index(const Tile& t, int i) { return t.routes ? t.routes[i].index : t.route0 + i; }
+template <bool kFromLengths>
+__device__ __forceinline__ route::Route route_at(const AttentionParams& a, const Tile& t, int i) {
+  if (!kFromLengths || t.routes) return t.routes[i];
+  const route::RouteParams& p = a.route;
+  route::Route r;
+  r.index = t.route0 + i;
+  r.kind = static_cast<std::uint8_t>(route::RouteKind::exact);
+  r.rows = 1;
+  const int k0 = r.index * p.tile_n;
+  const int q1 = min(t.q0 + p.unit_m, t.si.seqlen_q), k1 = min(k0 + p.tile_n, t.si.seqlen_kv);
+  r.masked = route::detail::positional(p, t.si, t.q0, q1, k0, k1) == route::Visibility::partial;
+  r.reserved = 0;
+  return r;
 }
 
 // This CTA's first item, and the one after `current` (of `items`). The counter needs no reset
