@@ -8,7 +8,7 @@ See docs/PYTHON.md. Errors raise `BsattnError` (a ValueError) with the library's
 its ``argument`` attribute names the offending argument.
 """
 
-from . import adapters, sparsity
+from . import adapters, distributed, sparsity
 from ._api import Plan, Summaries, attention, attention_backward, build_summaries, varlen_block_offsets
 from ._bsattn import BsattnError, built_with_cuda
 from ._merge import merge_state, merge_states
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllBlocks", "BSR", "Bitmask", "BlockLists", "BsattnError", "Mask", "Plan", "Sparsity", "Summaries",
-    "VarlenBlockLists", "adapters", "attention",
+    "VarlenBlockLists", "adapters", "attention", "distributed",
     "attention_backward", "build_summaries", "built_with_cuda", "from_block_mask",
     "from_dense_block_mask", "from_flash_attention", "from_flashinfer_bsr", "merge_state", "merge_states",
     "SelectedAttention", "select_blocks", "selected_attention", "sparsity",

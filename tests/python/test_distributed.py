@@ -1,0 +1,215 @@
+"""bsattn.distributed (issue 15) on CPU processes: 2 and 4 ranks, each holding a shard of Q, K, V
+(contiguous or zigzag chunks), against the single-process call on the whole sequence: random
+block patterns per head, causal, packed documents (varlen), empty rows; and the bytes moved with a
+local pattern. Ranks talk through pipes (a `bsattn.distributed.Exchange`-shaped object on NumPy
+arrays), and through torch.distributed's gloo backend where PyTorch is installed.
+"""
+import multiprocessing as mp
+import threading
+
+import numpy as np
+import pytest
+
+import bsattn
+import bsattn.distributed as bd
+
+CTX = mp.get_context("spawn")
+
+
+class PipeGroup:
+    """The communication interface of bsattn.distributed over a full mesh of pipes."""
+
+    def __init__(self, rank, world, ends):
+        self.rank, self.world, self._ends = rank, world, ends  # ends[peer]: this rank's end to peer
+
+    def all_gather(self, obj):
+        for peer, end in self._ends.items():
+            end.send(obj)
+        return [obj if peer == self.rank else self._ends[peer].recv() for peer in range(self.world)]
+
+    def exchange(self, sends, recvs):
+        def send_all():  # a pipe send blocks until the peer reads: in a thread, as a posted send
+            for peer, chunk, k, v in sends:
+                self._ends[peer].send((chunk, np.ascontiguousarray(k), np.ascontiguousarray(v)))
+
+        sender = threading.Thread(target=send_all)
+        sender.start()
+
+        def arrivals():
+            for peer, chunk, _, _ in recvs:
+                got, k, v = self._ends[peer].recv()
+                assert got == chunk
+                yield chunk, k, v
+            sender.join()
+
+        return arrivals()
+
+
+def global_case(seed, *, batch, seq, hq, hkv, dim, block, density, causal, documents):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, seq, hq, dim), dtype=np.float32)
+    k = rng.standard_normal((batch, seq, hkv, dim), dtype=np.float32)
+    v = rng.standard_normal((batch, seq, hkv, dim), dtype=np.float32)
+    nb = seq // block
+    if density is None:
+        blocks = None
+    elif density == "band":  # each query block sees itself and the 2 blocks before it
+        idx = np.arange(nb)
+        blocks = ((idx[:, None] - idx[None, :] >= 0) & (idx[:, None] - idx[None, :] <= 2))[None, None]
+    else:
+        blocks = rng.random((1, hq, nb, nb)) < density
+        blocks[:, :, 1, :] = False  # an empty row
+    cu = None
+    if documents:
+        cuts = np.sort(rng.choice(np.arange(1, seq), size=5, replace=False))
+        cu = np.concatenate([[0], cuts, [seq]]).astype(np.int32)
+    return q, k, v, blocks, cu
+
+
+def reference(q, k, v, blocks, cu, block, causal):
+    mask = bsattn.Mask(causal=causal)
+    sparsity = None if blocks is None else bsattn.from_dense_block_mask(blocks, (block, block))
+    if cu is not None and blocks is None:  # the varlen call on the packed documents
+        out, lse = bsattn.attention(q[0], k[0], v[0], mask=mask, cu_seqlens_q=cu, cu_seqlens_k=cu, return_lse=True)
+        return out[None], lse[None]
+    if cu is not None:  # with a block pattern: document ids on the one sequence
+        ids = np.repeat(np.arange(len(cu) - 1, dtype=np.int32), np.diff(cu))[None]
+        mask = bsattn.Mask(causal=causal, doc_ids=(ids, ids))
+    return bsattn.attention(q, k, v, sparsity, mask=mask, return_lse=True)
+
+
+def worker(rank, world, ends, case, results):
+    try:
+        q, k, v, blocks, cu = global_case(**case["inputs"])
+        block, causal, layout = case["inputs"]["block"], case["inputs"]["causal"], case["layout"]
+        chunks = bd.Chunks(layout, world, q.shape[1] // world)
+        mine = chunks.of_rank(rank)
+        tokens = np.concatenate([np.arange(c * chunks.size, (c + 1) * chunks.size) for c in mine])
+        rows = np.concatenate([np.arange(c * chunks.size // block, (c + 1) * chunks.size // block) for c in mine])
+        local_blocks = None if blocks is None else blocks[:, :, rows, :]
+        out, lse, stats = bd.attention(q[:, tokens], k[:, tokens], v[:, tokens], local_blocks, block_size=(block, block),
+                                       causal=causal, cu_seqlens=cu, layout=layout, group=PipeGroup(rank, world, ends),
+                                       return_lse=True, return_stats=True)
+        ref_out, ref_lse = reference(q, k, v, blocks, cu, block, causal)
+        np.testing.assert_allclose(out, ref_out[:, tokens], rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(lse, ref_lse[:, :, tokens], rtol=1e-5, atol=1e-5)
+        results.put((rank, None, stats))
+    except Exception as e:  # reported by the parent
+        import traceback
+
+        results.put((rank, f"{e!r}\n{traceback.format_exc()}", None))
+
+
+def run_ranks(world, case):
+    ends = {r: {} for r in range(world)}
+    for a in range(world):
+        for b in range(a + 1, world):
+            ends[a][b], ends[b][a] = CTX.Pipe()
+    results = CTX.Queue()
+    procs = [CTX.Process(target=worker, args=(r, world, ends[r], case, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=240) for _ in range(world)]
+    for p in procs:
+        p.join(timeout=60)
+    errors = [f"rank {r}: {e}" for r, e, _ in got if e]
+    assert not errors, "\n".join(errors)
+    return {r: s for r, _, s in got}
+
+
+def case(seed, layout, *, density=0.4, causal=False, documents=False, world=2, hq=4, hkv=2, batch=1):
+    seq = 512 if world == 2 else 1024
+    return {"layout": layout, "inputs": dict(seed=seed, batch=batch, seq=seq, hq=hq, hkv=hkv, dim=32, block=64,
+                                              density=density, causal=causal, documents=documents)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_random_blocks_match_the_single_process_call(world, layout):
+    run_ranks(world, case(10 + world, layout, world=world, batch=2))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_causal_random_blocks(world, layout):
+    run_ranks(world, case(20 + world, layout, world=world, causal=True, hq=4, hkv=1))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_documents_causal_match_the_varlen_call(world):
+    run_ranks(world, case(30 + world, "zigzag", world=world, density=None, causal=True, documents=True))
+
+
+def test_packed_documents_with_blocks():
+    run_ranks(4, case(40, "contiguous", world=4, density=0.5, causal=True, documents=True))
+
+
+def test_dense_every_block():
+    run_ranks(2, case(50, "contiguous", density=None))
+
+
+def test_a_local_pattern_moves_less_than_half_of_an_all_gather():
+    stats = run_ranks(4, case(60, "contiguous", world=4, density="band", causal=True))
+    for rank, s in stats.items():
+        assert s["bytes_received"] == (0 if rank == 0 else s["all_gather_bytes"] // 3), (rank, s)
+        assert s["bytes_received"] < s["all_gather_bytes"] / 2
+
+
+def test_bad_shards_are_named():
+    q = np.zeros((1, 100, 2, 32), np.float32)
+    group = PipeGroup(0, 1, {})
+    with pytest.raises(bsattn.BsattnError) as e:
+        bd.attention(q, q, q, block_size=64, group=group)
+    assert e.value.argument == "block_size"
+    with pytest.raises(bsattn.BsattnError) as e:
+        bd.attention(q, q, q, block_size=(50, 50), layout="spiral", group=group)
+    assert e.value.argument == "layout"
+    with pytest.raises(bsattn.BsattnError) as e:
+        bd.attention(q[:, :64], q[:, :64], q[:, :64], np.ones((1, 1, 1, 2), bool), block_size=64, group=group)
+    assert e.value.argument == "block_mask"
+
+
+def gloo_worker(rank, world, port, case, results):
+    import torch
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        q, k, v, blocks, cu = global_case(**case["inputs"])
+        block, causal, layout = case["inputs"]["block"], case["inputs"]["causal"], case["layout"]
+        chunks = bd.Chunks(layout, world, q.shape[1] // world)
+        mine = chunks.of_rank(rank)
+        tokens = np.concatenate([np.arange(c * chunks.size, (c + 1) * chunks.size) for c in mine])
+        rows = np.concatenate([np.arange(c * chunks.size // block, (c + 1) * chunks.size // block) for c in mine])
+        t = lambda x: torch.from_numpy(np.ascontiguousarray(x))  # noqa: E731
+        out, lse = bd.attention(t(q[:, tokens]), t(k[:, tokens]), t(v[:, tokens]), t(blocks[:, :, rows, :]),
+                                block_size=(block, block), causal=causal, layout=layout, return_lse=True)
+        ref_out, ref_lse = reference(q, k, v, blocks, cu, block, causal)
+        np.testing.assert_allclose(out.numpy(), ref_out[:, tokens], rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(lse.numpy(), ref_lse[:, :, tokens], rtol=1e-5, atol=1e-5)
+        dist.destroy_process_group()
+        results.put((rank, None, None))
+    except Exception as e:
+        import traceback
+
+        results.put((rank, f"{e!r}\n{traceback.format_exc()}", None))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_process_group(world):
+    pytest.importorskip("torch")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = case(70 + world, "zigzag", world=world, causal=True)
+    results = CTX.Queue()
+    procs = [CTX.Process(target=gloo_worker, args=(r, world, port, c, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=240) for _ in range(world)]
+    for p in procs:
+        p.join(timeout=60)
+    errors = [f"rank {r}: {e}" for r, e, _ in got if e]
+    assert not errors, "\n".join(errors)
