@@ -17,11 +17,12 @@ sequence (square: both alignments agree); ``cu_seqlens`` (int, ``[n + 1]``, endi
 documents into the one sequence (batch 1): a query sees only keys of its own document, as the
 varlen single-process call with those offsets computes.
 
-Inputs per rank: ``q [B, S_local, Hq, D]``, ``k``/``v [B, S_local, Hkv, D]``; ``block_mask``: a
-boolean array ``[Bs, Hs, S_local / Bq, S / Bk]`` (``Bs`` 1 or B, the usual ``Hs`` rule), True
-where the rank's query block (rows in the rank's local order) attends the global key block; None
-attends every block. Other formats: expand them to a dense block mask first (any format's blocks
-of a row are a set of key blocks).
+Inputs per rank: ``q [B, S_local, Hq, D]``, ``k``/``v [B, S_local, Hkv, D]`` (with ``cu_seqlens``
+also the varlen layout ``[S_local, H, D]``, answered in the varlen call's layout); ``block_mask``:
+the rank's query rows (in its local order) over the global key blocks, as a boolean array
+``[Bs, Hs, S_local / Bq, S / Bk]`` (``Bs`` 1 or B, the usual ``Hs`` rule) or as a batched
+`bsattn.sparsity` object of that geometry (`BlockLists`, `Bitmask`, `BSR`, `AllBlocks`; a
+``full`` set is attended like the partial one); None attends every block.
 
 Communication goes through ``group``: a ``torch.distributed`` process group (gloo on CPUs, NCCL
 on GPUs; ``None``: the default group) when the tensors are PyTorch tensors, or any object with
@@ -127,6 +128,57 @@ class Exchange:
         return arrivals()
 
 
+def _host(t):
+    import numpy
+
+    return t.detach().cpu().numpy() if _tensors.is_torch(t) else numpy.asarray(t)
+
+
+def _dense_pattern(sparsity, q_blocks, k_blocks):
+    """A batched `bsattn.sparsity` object as a dense boolean NumPy block mask [Bs, Hs, nQB, nKB]
+    (None for AllBlocks). The pattern is small next to Q, K and V, so it is read on the host."""
+    import numpy as np
+
+    from .sparsity import BSR, AllBlocks, Bitmask, BlockLists
+
+    if isinstance(sparsity, AllBlocks):
+        return None
+    if not isinstance(sparsity, (BlockLists, Bitmask, BSR)) or "proxy" in sparsity.sets:
+        raise _tensors.fail("block_mask", f"expected a boolean block mask or batched BlockLists, Bitmask or BSR "
+                                          f"without a proxy set, got {sparsity!r}")
+    if "cu_total_m_blocks" in sparsity.extra:
+        raise _tensors.fail("block_mask", "expected a batched pattern (the rank's query blocks x the global key blocks)")
+    dense = None
+    for name in ("partial", "full"):
+        if name not in sparsity.sets:
+            continue
+        fields = [sparsity.sets[name][f] for f in sparsity.set_fields]
+        if isinstance(sparsity, BlockLists):
+            counts, indices = (_host(x) for x in fields)
+            bs, hs, nqb, width = indices.shape
+            got = np.zeros((bs, hs, nqb, k_blocks), bool)
+            keep = (np.arange(width) < counts[..., None]) & (indices >= 0) & (indices < k_blocks)
+            b, h, r, i = np.nonzero(keep)
+            got[b, h, r, indices[b, h, r, i]] = True
+        elif isinstance(sparsity, Bitmask):
+            words = _host(fields[0]).astype(np.uint32)
+            bits = (words[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+            got = bits.reshape(*words.shape[:-1], -1)[..., :k_blocks].astype(bool)
+        else:
+            indptr, indices = (_host(x) for x in fields)
+            rows = sparsity.batch * sparsity.heads * q_blocks
+            if len(indptr) != rows + 1:
+                raise _tensors.fail("block_mask", f"a BSR of batch {sparsity.batch}, heads {sparsity.heads} and "
+                                                  f"{q_blocks} query blocks has {rows + 1} indptr entries, got {len(indptr)}")
+            got = np.zeros((rows, k_blocks), bool)
+            row_of = np.repeat(np.arange(rows), np.diff(indptr))
+            ok = (indices >= 0) & (indices < k_blocks)
+            got[row_of[ok], indices[ok]] = True
+            got = got.reshape(sparsity.batch, sparsity.heads, q_blocks, k_blocks)
+        dense = got if dense is None else dense | got
+    return dense
+
+
 def _pair_pattern(block_mask, rows, cols):
     if block_mask is None:
         return None
@@ -147,6 +199,9 @@ def attention(q, k, v, block_mask=None, *, block_size=(128, 128), causal=False, 
     brought it) and ``chunks_received``.
     """
     lib = _library(q)
+    varlen_layout = cu_seqlens is not None and len(q.shape) == 3
+    if varlen_layout:  # [S_local, H, D]: one packed sequence
+        q, k, v = q[None], k[None], v[None]
     if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
         raise _tensors.fail("q", "expected batched q [B, S_local, Hq, D] and k, v [B, S_local, Hkv, D]")
     comm = group if group is not None and hasattr(group, "exchange") else Exchange(group)
@@ -162,6 +217,13 @@ def attention(q, k, v, block_mask=None, *, block_size=(128, 128), causal=False, 
                                           f"({bq}, {bk})")
     total = chunks.size * chunks.count
     q_blocks, k_blocks = chunks.size // bq, chunks.size // bk
+    if block_mask is not None and hasattr(block_mask, "sets"):
+        if tuple(block_mask.block_size) != (bq, bk):
+            raise _tensors.fail("block_size", f"the pattern's blocks are {tuple(block_mask.block_size)}, "
+                                              f"block_size says {(bq, bk)}")
+        block_mask = _dense_pattern(block_mask, local_tokens // bq, total // bk)
+        if block_mask is not None and lib.__name__ == "torch":
+            block_mask = lib.from_numpy(block_mask).to(q.device)
     if block_mask is not None:
         block_mask = _with_batch_and_heads(block_mask)
         want = (local_tokens // bq, total // bk)
@@ -247,6 +309,8 @@ def attention(q, k, v, block_mask=None, *, block_size=(128, 128), causal=False, 
     out = _cat(lib, outs, 1)
     out = out.to(q.dtype) if lib.__name__ == "torch" else out.astype(q.dtype)
     lse = _cat(lib, lses, 2)
+    if varlen_layout:  # the varlen call's layout: out [S_local, Hq, D], lse [Hq, S_local]
+        out, lse = out[0], lse[0]
     kv_bytes = lambda n: n * 2 * batch * chunks.size * int(k.shape[2]) * int(k.shape[3]) * k.dtype.itemsize  # noqa: E731
     stats = {"bytes_received": kv_bytes(received), "bytes_sent": kv_bytes(len(sends)), "chunks_received": received,
              "all_gather_bytes": kv_bytes(chunks.count - len(mine))}

@@ -78,6 +78,24 @@ def reference(q, k, v, blocks, cu, block, causal):
     return bsattn.attention(q, k, v, sparsity, mask=mask, return_lse=True)
 
 
+def as_format(blocks, block, fmt):
+    """The rank's dense block rows [1, Hs, nQB, nKB] in another batched format."""
+    if fmt == "lists":
+        return bsattn.from_dense_block_mask(blocks, (block, block))
+    if fmt == "bitmask":
+        nkb = blocks.shape[-1]
+        padded = np.zeros(blocks.shape[:-1] + (32 * ((nkb + 31) // 32),), bool)
+        padded[..., :nkb] = blocks
+        words = (padded.reshape(*blocks.shape[:-1], -1, 32) << np.arange(32, dtype=np.uint64)).sum(-1)
+        return bsattn.Bitmask(words.astype(np.uint32), block_size=(block, block))
+    if fmt == "bsr":
+        flat = blocks.reshape(-1, blocks.shape[-1])
+        indptr = np.concatenate([[0], np.cumsum(flat.sum(1))]).astype(np.int32)
+        indices = np.nonzero(flat)[1].astype(np.int32)
+        return bsattn.BSR(indptr, indices, block_size=(block, block), heads=blocks.shape[1], batch=1)
+    return blocks
+
+
 def worker(rank, world, ends, case, results):
     try:
         q, k, v, blocks, cu = global_case(**case["inputs"])
@@ -86,13 +104,20 @@ def worker(rank, world, ends, case, results):
         mine = chunks.of_rank(rank)
         tokens = np.concatenate([np.arange(c * chunks.size, (c + 1) * chunks.size) for c in mine])
         rows = np.concatenate([np.arange(c * chunks.size // block, (c + 1) * chunks.size // block) for c in mine])
-        local_blocks = None if blocks is None else blocks[:, :, rows, :]
-        out, lse, stats = bd.attention(q[:, tokens], k[:, tokens], v[:, tokens], local_blocks, block_size=(block, block),
-                                       causal=causal, cu_seqlens=cu, layout=layout, group=PipeGroup(rank, world, ends),
+        local_blocks = None if blocks is None else as_format(blocks[:, :, rows, :], block, case.get("format"))
+        qs, ks, vs = q[:, tokens], k[:, tokens], v[:, tokens]
+        if case.get("varlen_layout"):
+            qs, ks, vs = qs[0], ks[0], vs[0]
+        out, lse, stats = bd.attention(qs, ks, vs, local_blocks, block_size=(block, block), causal=causal,
+                                       cu_seqlens=cu, layout=layout, group=PipeGroup(rank, world, ends),
                                        return_lse=True, return_stats=True)
         ref_out, ref_lse = reference(q, k, v, blocks, cu, block, causal)
-        np.testing.assert_allclose(out, ref_out[:, tokens], rtol=1e-4, atol=2e-5)
-        np.testing.assert_allclose(lse, ref_lse[:, :, tokens], rtol=1e-5, atol=1e-5)
+        ref_out, ref_lse = ref_out[:, tokens], ref_lse[:, :, tokens]
+        if case.get("varlen_layout"):
+            ref_out, ref_lse = ref_out[0], ref_lse[0]
+        assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+        np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
         results.put((rank, None, stats))
     except Exception as e:  # reported by the parent
         import traceback
@@ -117,10 +142,12 @@ def run_ranks(world, case):
     return {r: s for r, _, s in got}
 
 
-def case(seed, layout, *, density=0.4, causal=False, documents=False, world=2, hq=4, hkv=2, batch=1):
+def case(seed, layout, *, density=0.4, causal=False, documents=False, world=2, hq=4, hkv=2, batch=1, fmt=None,
+         varlen_layout=False):
     seq = 512 if world == 2 else 1024
-    return {"layout": layout, "inputs": dict(seed=seed, batch=batch, seq=seq, hq=hq, hkv=hkv, dim=32, block=64,
-                                              density=density, causal=causal, documents=documents)}
+    return {"layout": layout, "format": fmt, "varlen_layout": varlen_layout,
+            "inputs": dict(seed=seed, batch=batch, seq=seq, hq=hq, hkv=hkv, dim=32, block=64, density=density,
+                           causal=causal, documents=documents)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -138,6 +165,15 @@ def test_causal_random_blocks(world, layout):
 @pytest.mark.parametrize("world", [2, 4])
 def test_packed_documents_causal_match_the_varlen_call(world):
     run_ranks(world, case(30 + world, "zigzag", world=world, density=None, causal=True, documents=True))
+
+
+@pytest.mark.parametrize("fmt", ["lists", "bitmask", "bsr"])
+def test_patterns_in_other_formats(fmt):
+    run_ranks(2, case(80, "zigzag", causal=True, fmt=fmt))
+
+
+def test_packed_documents_in_the_varlen_layout():
+    run_ranks(2, case(90, "contiguous", density=None, causal=True, documents=True, varlen_layout=True))
 
 
 def test_packed_documents_with_blocks():
