@@ -41,6 +41,20 @@ inline Result run_cpu(Case& c) {
   return r;
 }
 
+// A run of `plan` on the case's poisoned outputs reports a route overflow and writes nothing.
+inline void expect_overflow_writes_nothing(Plan& plan, Case& c) {
+  c.poison_outputs();
+  plan.run(c.in_device, c.out_device, nullptr);
+  EXPECT_THROW(plan.check(nullptr), Error);
+  CUDA_OK(cudaDeviceSynchronize());
+  c.out->download();
+  for (unsigned char x : c.out->host) ASSERT_EQ(x, 0xff);
+  if (c.lse) {
+    c.lse->download();
+    for (unsigned char x : c.lse->host) ASSERT_EQ(x, 0xff);
+  }
+}
+
 // Rows of a varlen layout past total_q (the 1-row placeholder of an empty batch) are not outputs.
 inline void expect_close(const Case& c, const Result& gpu, const Result& ref) {
   const bool varlen = c.problem.q_layout == QLayout::varlen;

@@ -96,42 +96,63 @@ def as_format(blocks, block, fmt):
     return blocks
 
 
-def worker(rank, world, ends, case, results):
-    try:
-        q, k, v, blocks, cu = global_case(**case["inputs"])
-        block, causal, layout = case["inputs"]["block"], case["inputs"]["causal"], case["layout"]
-        chunks = bd.Chunks(layout, world, q.shape[1] // world)
+class Shard:
+    """One rank's part of a case: its tokens and block rows, its inputs, the reference rows."""
+
+    def __init__(self, case, rank, world):
+        self.q, self.k, self.v, self.blocks, self.cu = global_case(**case["inputs"])
+        self.block, self.causal, self.layout = case["inputs"]["block"], case["inputs"]["causal"], case["layout"]
+        self.varlen_layout = case.get("varlen_layout", False)
+        chunks = bd.Chunks(self.layout, world, self.q.shape[1] // world)
         mine = chunks.of_rank(rank)
-        tokens = np.concatenate([np.arange(c * chunks.size, (c + 1) * chunks.size) for c in mine])
-        rows = np.concatenate([np.arange(c * chunks.size // block, (c + 1) * chunks.size // block) for c in mine])
-        local_blocks = None if blocks is None else as_format(blocks[:, :, rows, :], block, case.get("format"))
-        qs, ks, vs = q[:, tokens], k[:, tokens], v[:, tokens]
-        if case.get("varlen_layout"):
-            qs, ks, vs = qs[0], ks[0], vs[0]
-        out, lse, stats = bd.attention(qs, ks, vs, local_blocks, block_size=(block, block), causal=causal,
-                                       cu_seqlens=cu, layout=layout, group=PipeGroup(rank, world, ends),
-                                       return_lse=True, return_stats=True)
-        ref_out, ref_lse = reference(q, k, v, blocks, cu, block, causal)
-        ref_out, ref_lse = ref_out[:, tokens], ref_lse[:, :, tokens]
-        if case.get("varlen_layout"):
+        self.tokens = np.concatenate([np.arange(c * chunks.size, (c + 1) * chunks.size) for c in mine])
+        step = chunks.size // self.block
+        self.rows = np.concatenate([np.arange(c * step, (c + 1) * step) for c in mine])
+
+    def inputs(self):
+        qkv = [t[:, self.tokens] for t in (self.q, self.k, self.v)]
+        return [t[0] for t in qkv] if self.varlen_layout else qkv
+
+    def local_blocks(self, fmt=None):
+        return None if self.blocks is None else as_format(self.blocks[:, :, self.rows, :], self.block, fmt)
+
+    def check(self, out, lse):
+        ref_out, ref_lse = reference(self.q, self.k, self.v, self.blocks, self.cu, self.block, self.causal)
+        ref_out, ref_lse = ref_out[:, self.tokens], ref_lse[:, :, self.tokens]
+        if self.varlen_layout:
             ref_out, ref_lse = ref_out[0], ref_lse[0]
         assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
         np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=2e-5)
         np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
-        results.put((rank, None, stats))
-    except Exception as e:  # reported by the parent
+
+
+def reported(rank, results, body):
+    """Runs body() in a rank and puts (rank, error or None, its result) for the parent."""
+    try:
+        results.put((rank, None, body()))
+    except Exception as e:
         import traceback
 
         results.put((rank, f"{e!r}\n{traceback.format_exc()}", None))
 
 
-def run_ranks(world, case):
-    ends = {r: {} for r in range(world)}
-    for a in range(world):
-        for b in range(a + 1, world):
-            ends[a][b], ends[b][a] = CTX.Pipe()
+def worker(rank, world, ends, case, results):
+    def body():
+        s = Shard(case, rank, world)
+        out, lse, stats = bd.attention(*s.inputs(), s.local_blocks(case.get("format")), block_size=(s.block, s.block),
+                                       causal=s.causal, cu_seqlens=s.cu, layout=s.layout,
+                                       group=PipeGroup(rank, world, ends), return_lse=True, return_stats=True)
+        s.check(out, lse)
+        return stats
+
+    reported(rank, results, body)
+
+
+def spawn_ranks(world, target, args_of_rank):
+    """Runs target(rank, world, *args_of_rank(rank), results) in `world` processes; returns the
+    ranks' results by rank and fails with every rank's error."""
     results = CTX.Queue()
-    procs = [CTX.Process(target=worker, args=(r, world, ends[r], case, results)) for r in range(world)]
+    procs = [CTX.Process(target=target, args=(r, world, *args_of_rank(r), results)) for r in range(world)]
     for p in procs:
         p.start()
     got = [results.get(timeout=240) for _ in range(world)]
@@ -140,6 +161,14 @@ def run_ranks(world, case):
     errors = [f"rank {r}: {e}" for r, e, _ in got if e]
     assert not errors, "\n".join(errors)
     return {r: s for r, _, s in got}
+
+
+def run_ranks(world, case):
+    ends = {r: {} for r in range(world)}
+    for a in range(world):
+        for b in range(a + 1, world):
+            ends[a][b], ends[b][a] = CTX.Pipe()
+    return spawn_ranks(world, worker, lambda r: (ends[r], case))
 
 
 def case(seed, layout, *, density=0.4, causal=False, documents=False, world=2, hq=4, hkv=2, batch=1, fmt=None,
@@ -206,29 +235,19 @@ def test_bad_shards_are_named():
 
 
 def gloo_worker(rank, world, port, case, results):
-    import torch
-    import torch.distributed as dist
+    def body():
+        import torch
+        import torch.distributed as dist
 
-    try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        q, k, v, blocks, cu = global_case(**case["inputs"])
-        block, causal, layout = case["inputs"]["block"], case["inputs"]["causal"], case["layout"]
-        chunks = bd.Chunks(layout, world, q.shape[1] // world)
-        mine = chunks.of_rank(rank)
-        tokens = np.concatenate([np.arange(c * chunks.size, (c + 1) * chunks.size) for c in mine])
-        rows = np.concatenate([np.arange(c * chunks.size // block, (c + 1) * chunks.size // block) for c in mine])
+        s = Shard(case, rank, world)
         t = lambda x: torch.from_numpy(np.ascontiguousarray(x))  # noqa: E731
-        out, lse = bd.attention(t(q[:, tokens]), t(k[:, tokens]), t(v[:, tokens]), t(blocks[:, :, rows, :]),
-                                block_size=(block, block), causal=causal, layout=layout, return_lse=True)
-        ref_out, ref_lse = reference(q, k, v, blocks, cu, block, causal)
-        np.testing.assert_allclose(out.numpy(), ref_out[:, tokens], rtol=1e-4, atol=2e-5)
-        np.testing.assert_allclose(lse.numpy(), ref_lse[:, :, tokens], rtol=1e-5, atol=1e-5)
+        out, lse = bd.attention(*map(t, s.inputs()), t(s.local_blocks()), block_size=(s.block, s.block),
+                                causal=s.causal, layout=s.layout, return_lse=True)
+        s.check(out.numpy(), lse.numpy())
         dist.destroy_process_group()
-        results.put((rank, None, None))
-    except Exception as e:
-        import traceback
 
-        results.put((rank, f"{e!r}\n{traceback.format_exc()}", None))
+    reported(rank, results, body)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -236,16 +255,7 @@ def test_gloo_process_group(world):
     pytest.importorskip("torch")
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    c = case(70 + world, "zigzag", world=world, causal=True)
-    results = CTX.Queue()
-    procs = [CTX.Process(target=gloo_worker, args=(r, world, port, c, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=240) for _ in range(world)]
-    for p in procs:
-        p.join(timeout=60)
-    errors = [f"rank {r}: {e}" for r, e, _ in got if e]
-    assert not errors, "\n".join(errors)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    spawn_ranks(world, gloo_worker, lambda r: (port, case(70 + world, "zigzag", world=world, causal=True)))
