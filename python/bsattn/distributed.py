@@ -27,7 +27,8 @@ the rank's query rows (in its local order) over the global key blocks, as a bool
 Communication goes through ``group``: a ``torch.distributed`` process group (gloo on CPUs, NCCL
 on GPUs; ``None``: the default group) when the tensors are PyTorch tensors, or any object with
 ``rank``, ``world``, ``all_gather(obj) -> list`` and ``exchange(sends, recvs)`` (see `Exchange`).
-Forward only: the backward of this scheme is a follow-up (the single-process backward exists).
+`attention_backward` gives this rank's dQ, dK, dV of the same scheme: the key chunks travel as in
+the forward, and the gradients of the chunks a rank used go back to their owners.
 """
 
 from . import _tensors
@@ -189,6 +190,109 @@ def _any(pattern):
     return bool(pattern.any())
 
 
+class _Shards:
+    """What forward and backward share: the checked shard geometry, the rank's pattern, the key
+    chunks each rank uses (all-gathered), and the attention problem of each chunk pair."""
+
+    def __init__(self, q, k, v, block_mask, block_size, causal, cu_seqlens, layout, group):
+        self.lib = lib = _library(q)
+        if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
+            raise _tensors.fail("q", "expected batched q [B, S_local, Hq, D] and k, v [B, S_local, Hkv, D]")
+        self.comm = comm = group if group is not None and hasattr(group, "exchange") else Exchange(group)
+        self.rank, self.world = comm.rank, comm.world
+        self.batch, local_tokens = int(q.shape[0]), int(q.shape[1])
+        if int(k.shape[1]) != local_tokens or int(v.shape[1]) != local_tokens:
+            raise _tensors.fail("k", f"a rank holds the same tokens of Q, K and V: {local_tokens} query tokens, "
+                                     f"{int(k.shape[1])} key tokens")
+        self.chunks = chunks = Chunks(layout, self.world, local_tokens)
+        self.bq, self.bk = bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
+        if chunks.size % bq or chunks.size % bk:
+            raise _tensors.fail("block_size", f"a chunk of {chunks.size} tokens is not a whole number of blocks "
+                                              f"({bq}, {bk})")
+        total = chunks.size * chunks.count
+        if block_mask is not None and hasattr(block_mask, "sets"):
+            if tuple(block_mask.block_size) != (bq, bk):
+                raise _tensors.fail("block_size", f"the pattern's blocks are {tuple(block_mask.block_size)}, "
+                                                  f"block_size says {(bq, bk)}")
+            block_mask = _dense_pattern(block_mask, local_tokens // bq, total // bk)
+            if block_mask is not None and lib.__name__ == "torch":
+                block_mask = lib.from_numpy(block_mask).to(q.device)
+        if block_mask is not None:
+            block_mask = _with_batch_and_heads(block_mask)
+            want = (local_tokens // bq, total // bk)
+            if len(block_mask.shape) != 4 or tuple(int(x) for x in block_mask.shape[2:]) != want:
+                raise _tensors.fail("block_mask", f"expected [Bs, Hs, {want[0]}, {want[1]}] (local query blocks x "
+                                                  f"global key blocks), got {tuple(block_mask.shape)}")
+        self.block_mask, self.causal = block_mask, causal
+        self.doc = None
+        if cu_seqlens is not None:
+            if self.batch != 1:
+                raise _tensors.fail("cu_seqlens", f"packed documents take batch 1, got {self.batch}")
+            offsets = [int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
+            if offsets[0] != 0 or offsets[-1] != total or any(b < a for a, b in zip(offsets, offsets[1:])):
+                raise _tensors.fail("cu_seqlens", f"expected non-decreasing offsets from 0 to {total}, got {offsets}")
+            self.doc = [d for d, (a, b) in enumerate(zip(offsets, offsets[1:])) for _ in range(b - a)]
+        self.device = {"device": q.device} if lib.__name__ == "torch" else {}
+        self.mine = chunks.of_rank(self.rank)
+        self.tokens_of = {c: (i * chunks.size, (i + 1) * chunks.size) for i, c in enumerate(self.mine)}
+        self.needs = sorted({kc for qc in self.mine for kc in range(chunks.count) if self.used(qc, kc)})
+        self.all_needs = comm.all_gather(self.needs)
+
+    def pattern(self, qc, kc):
+        q_blocks, k_blocks = self.chunks.size // self.bq, self.chunks.size // self.bk
+        i = self.mine.index(qc)
+        return _pair_pattern(self.block_mask, (i * q_blocks, (i + 1) * q_blocks), (kc * k_blocks, (kc + 1) * k_blocks))
+
+    def used(self, qc, kc):
+        if self.causal and kc > qc:
+            return False
+        return self.block_mask is None or _any(self.pattern(qc, kc))
+
+    def pairs(self, kc):
+        """(query chunk, its local token range, keywords of the single-process call) for every
+        chunk of this rank whose rows use key chunk kc."""
+        lib, size = self.lib, self.chunks.size
+        for qc in self.mine:
+            if not self.used(qc, kc):
+                continue
+            ids = None
+            if self.doc is not None:
+                as_ids = ((lambda x: lib.tensor(x, dtype=lib.int32, **self.device)) if lib.__name__ == "torch"
+                          else (lambda x: lib.asarray(x, dtype=lib.int32)))
+                ids = (as_ids([self.doc[qc * size:(qc + 1) * size]]), as_ids([self.doc[kc * size:(kc + 1) * size]]))
+            sub = self.pattern(qc, kc)
+            yield qc, self.tokens_of[qc], {
+                "mask": Mask(causal=self.causal and kc == qc, alignment="top_left", doc_ids=ids),
+                "sparsity": None if sub is None else from_dense_block_mask(sub, (self.bq, self.bk))}
+
+    def own(self, t, c):
+        return t[:, slice(*self.tokens_of[c])]
+
+    def fetch(self, k, v):
+        """Posts the sends of this rank's chunks to the ranks that use them and the receives of the
+        chunks it uses; returns (sends, iterator of received (chunk, k, v))."""
+        sends = [(peer, c, self.own(k, c), self.own(v, c)) for peer in range(self.world) if peer != self.rank
+                 for c in self.all_needs[peer] if c in self.tokens_of]
+        recvs = [(self.chunks.owner(c), c, k[:, :self.chunks.size], v[:, :self.chunks.size])
+                 for c in self.needs if c not in self.tokens_of]
+        return sends, self.comm.exchange(sends, recvs)
+
+    def kv_bytes(self, k, chunks):
+        return chunks * 2 * self.batch * self.chunks.size * int(k.shape[2]) * int(k.shape[3]) * k.dtype.itemsize
+
+    def cast(self, t, like):
+        return t.to(like.dtype) if self.lib.__name__ == "torch" else t.astype(like.dtype)
+
+    def zeros(self, shape):
+        return self.lib.zeros(shape, dtype=self.lib.float32, **self.device)
+
+
+def _varlen_to_batched(cu_seqlens, *tensors):
+    """The varlen layout of one packed sequence ([S_local, H, D]; LSE [H, S_local]) as batch 1."""
+    varlen = cu_seqlens is not None and len(tensors[0].shape) == 3
+    return varlen, [t if t is None or not varlen else t[None] for t in tensors]
+
+
 def attention(q, k, v, block_mask=None, *, block_size=(128, 128), causal=False, cu_seqlens=None, layout="contiguous",
               scale=None, group=None, return_lse=False, return_stats=False):
     """This rank's rows of block-sparse attention over the sharded sequence (module docstring).
@@ -198,123 +302,105 @@ def attention(q, k, v, block_mask=None, *, block_size=(128, 128), causal=False, 
     moved for this rank), ``all_gather_bytes`` (what gathering every other shard would have
     brought it) and ``chunks_received``.
     """
-    lib = _library(q)
-    varlen_layout = cu_seqlens is not None and len(q.shape) == 3
-    if varlen_layout:  # [S_local, H, D]: one packed sequence
-        q, k, v = q[None], k[None], v[None]
-    if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
-        raise _tensors.fail("q", "expected batched q [B, S_local, Hq, D] and k, v [B, S_local, Hkv, D]")
-    comm = group if group is not None and hasattr(group, "exchange") else Exchange(group)
-    rank, world = comm.rank, comm.world
-    batch, local_tokens = int(q.shape[0]), int(q.shape[1])
-    if int(k.shape[1]) != local_tokens or int(v.shape[1]) != local_tokens:
-        raise _tensors.fail("k", f"a rank holds the same tokens of Q, K and V: {local_tokens} query tokens, "
-                                 f"{int(k.shape[1])} key tokens")
-    chunks = Chunks(layout, world, local_tokens)
-    bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
-    if chunks.size % bq or chunks.size % bk:
-        raise _tensors.fail("block_size", f"a chunk of {chunks.size} tokens is not a whole number of blocks "
-                                          f"({bq}, {bk})")
-    total = chunks.size * chunks.count
-    q_blocks, k_blocks = chunks.size // bq, chunks.size // bk
-    if block_mask is not None and hasattr(block_mask, "sets"):
-        if tuple(block_mask.block_size) != (bq, bk):
-            raise _tensors.fail("block_size", f"the pattern's blocks are {tuple(block_mask.block_size)}, "
-                                              f"block_size says {(bq, bk)}")
-        block_mask = _dense_pattern(block_mask, local_tokens // bq, total // bk)
-        if block_mask is not None and lib.__name__ == "torch":
-            block_mask = lib.from_numpy(block_mask).to(q.device)
-    if block_mask is not None:
-        block_mask = _with_batch_and_heads(block_mask)
-        want = (local_tokens // bq, total // bk)
-        if len(block_mask.shape) != 4 or tuple(int(x) for x in block_mask.shape[2:]) != want:
-            raise _tensors.fail("block_mask", f"expected [Bs, Hs, {want[0]}, {want[1]}] (local query blocks x global "
-                                              f"key blocks), got {tuple(block_mask.shape)}")
-    doc = None
-    if cu_seqlens is not None:
-        if batch != 1:
-            raise _tensors.fail("cu_seqlens", f"packed documents take batch 1, got {batch}")
-        offsets = [int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
-        if offsets[0] != 0 or offsets[-1] != total or any(b < a for a, b in zip(offsets, offsets[1:])):
-            raise _tensors.fail("cu_seqlens", f"expected non-decreasing offsets from 0 to {total}, got {offsets}")
-        ids = [0] * total
-        for d, (a, b) in enumerate(zip(offsets, offsets[1:])):
-            ids[a:b] = [d] * (b - a)
-        doc = ids
-
-    mine = chunks.of_rank(rank)
-    local_rows = {c: (i * q_blocks, (i + 1) * q_blocks) for i, c in enumerate(mine)}
-    local_tokens_of = {c: (i * chunks.size, (i + 1) * chunks.size) for i, c in enumerate(mine)}
-
-    def pattern(qc, kc):
-        return _pair_pattern(block_mask, local_rows[qc], (kc * k_blocks, (kc + 1) * k_blocks))
-
-    def used(qc, kc):
-        if causal and kc > qc:
-            return False
-        return block_mask is None or _any(pattern(qc, kc))
-
-    needs = sorted({kc for qc in mine for kc in range(chunks.count) if used(qc, kc)})
-    all_needs = comm.all_gather(needs)
-    sends = [(peer, c, k[:, slice(*local_tokens_of[c])], v[:, slice(*local_tokens_of[c])])
-             for peer in range(world) if peer != rank for c in all_needs[peer] if c in local_tokens_of]
-    recvs = [(chunks.owner(c), c, k[:, :chunks.size], v[:, :chunks.size]) for c in needs if c not in local_tokens_of]
-
-    f32 = lib.float32
-    parts = {c: ([], []) for c in mine}
+    varlen, (q, k, v) = _varlen_to_batched(cu_seqlens, q, k, v)
+    sh = _Shards(q, k, v, block_mask, block_size, causal, cu_seqlens, layout, group)
+    lib = sh.lib
+    parts = {c: ([], []) for c in sh.mine}
 
     def attend(kc, kk, vv):
-        for qc in mine:
-            if not used(qc, kc):
-                continue
-            lo, hi = local_tokens_of[qc]
-            ids = None
-            if doc is not None:
-                as_ids = (lambda x: lib.tensor(x, dtype=lib.int32, device=q.device)) if lib.__name__ == "torch" else (
-                    lambda x: lib.asarray(x, dtype=lib.int32))
-                ids = (as_ids([doc[qc * chunks.size:(qc + 1) * chunks.size]]),
-                       as_ids([doc[kc * chunks.size:(kc + 1) * chunks.size]]))
-            mask = Mask(causal=causal and kc == qc, alignment="top_left", doc_ids=ids)
-            sub = pattern(qc, kc)
-            sparsity = None if sub is None else from_dense_block_mask(sub, (bq, bk))
-            out, lse = _attention(q[:, lo:hi], kk, vv, sparsity, mask=mask, scale=scale, return_lse=True,
-                                  out_dtype=f32)
+        for qc, (lo, hi), call in sh.pairs(kc):
+            out, lse = _attention(q[:, lo:hi], kk, vv, call["sparsity"], mask=call["mask"], scale=scale,
+                                  return_lse=True, out_dtype=lib.float32)
             parts[qc][0].append(out)
             parts[qc][1].append(lse)
 
-    arrivals = comm.exchange(sends, recvs)
-    for c in mine:
-        if c in needs:
-            lo, hi = local_tokens_of[c]
-            attend(c, k[:, lo:hi], v[:, lo:hi])
+    sends, arrivals = sh.fetch(k, v)
+    for c in sh.mine:  # own chunks while the others travel
+        if c in sh.needs:
+            attend(c, sh.own(k, c), sh.own(v, c))
     received = 0
     for c, kk, vv in arrivals:
         attend(c, kk, vv)
         received += 1
 
     outs, lses = [], []
-    heads_q, dim = int(q.shape[2]), int(q.shape[3])
-    for c in mine:
+    size, heads_q, dim = sh.chunks.size, int(q.shape[2]), int(q.shape[3])
+    for c in sh.mine:
         o, l = parts[c]
         if not o:  # no key block of this chunk's rows: O = 0, LSE = -inf, as the single call leaves them
-            where = {"device": q.device} if lib.__name__ == "torch" else {}
-            o = lib.zeros((batch, chunks.size, heads_q, dim), dtype=f32, **where)
-            l = lib.full((batch, heads_q, chunks.size), float("-inf"), dtype=f32, **where)
+            o = sh.zeros((sh.batch, size, heads_q, dim))
+            l = lib.full((sh.batch, heads_q, size), float("-inf"), dtype=lib.float32, **sh.device)
         elif len(o) == 1:
             o, l = o[0], l[0]
         else:
             o, l = merge_states(_stack(lib, o), _stack(lib, l))
         outs.append(o)
         lses.append(l)
-    out = _cat(lib, outs, 1)
-    out = out.to(q.dtype) if lib.__name__ == "torch" else out.astype(q.dtype)
-    lse = _cat(lib, lses, 2)
-    if varlen_layout:  # the varlen call's layout: out [S_local, Hq, D], lse [Hq, S_local]
+    out, lse = sh.cast(_cat(lib, outs, 1), q), _cat(lib, lses, 2)
+    if varlen:  # the varlen call's layout: out [S_local, Hq, D], lse [Hq, S_local]
         out, lse = out[0], lse[0]
-    kv_bytes = lambda n: n * 2 * batch * chunks.size * int(k.shape[2]) * int(k.shape[3]) * k.dtype.itemsize  # noqa: E731
-    stats = {"bytes_received": kv_bytes(received), "bytes_sent": kv_bytes(len(sends)), "chunks_received": received,
-             "all_gather_bytes": kv_bytes(chunks.count - len(mine))}
+    stats = {"bytes_received": sh.kv_bytes(k, received), "bytes_sent": sh.kv_bytes(k, len(sends)),
+             "chunks_received": received, "all_gather_bytes": sh.kv_bytes(k, sh.chunks.count - len(sh.mine))}
     result = (out, lse) if return_lse else (out,)
     if return_stats:
         result += (stats,)
     return result[0] if len(result) == 1 else result
+
+
+def attention_backward(q, k, v, out, lse, dout, block_mask=None, *, block_size=(128, 128), causal=False,
+                       cu_seqlens=None, layout="contiguous", scale=None, group=None):
+    """This rank's gradients ``(dq, dk, dv)`` (its shards' shapes and dtypes) of `attention` for
+    the loss gradient ``dout``; ``out`` and ``lse`` are what `attention` returned on this rank,
+    the other arguments as given to it.
+
+    The same key chunks travel as in the forward; each chunk pair's single-process backward
+    (`bsattn.attention_backward` on the pair, with the whole rows' O and LSE, which makes the
+    pair's share of every gradient exact) adds to dQ here and to the pair's key chunk's dK, dV,
+    which go back to the chunk's owner and are summed there (fp32 throughout).
+    """
+    from ._api import attention_backward as _attention_backward
+
+    varlen, (q, k, v, out, dout) = _varlen_to_batched(cu_seqlens, q, k, v, out, dout)
+    if varlen:
+        lse = lse[None]
+    sh = _Shards(q, k, v, block_mask, block_size, causal, cu_seqlens, layout, group)
+    lib = sh.lib
+    dq = sh.zeros(tuple(q.shape))
+    dkv = {}
+
+    def differentiate(kc, kk, vv):
+        for qc, (lo, hi), call in sh.pairs(kc):
+            gq, gk, gv = _attention_backward(q[:, lo:hi], kk, vv, out[:, lo:hi], lse[:, :, lo:hi], dout[:, lo:hi],
+                                             call["sparsity"], mask=call["mask"], scale=scale,
+                                             dq=sh.zeros(tuple(q[:, lo:hi].shape)), dk=sh.zeros(tuple(kk.shape)),
+                                             dv=sh.zeros(tuple(vv.shape)))
+            dq[:, lo:hi] += gq
+            if kc in dkv:
+                dkv[kc][0][...] += gk
+                dkv[kc][1][...] += gv
+            else:
+                dkv[kc] = (gk, gv)
+
+    _, arrivals = sh.fetch(k, v)
+    for c in sh.mine:
+        if c in sh.needs:
+            differentiate(c, sh.own(k, c), sh.own(v, c))
+    for c, kk, vv in arrivals:
+        differentiate(c, kk, vv)
+
+    # The key chunks' gradients go home: to each owner the sums of the chunks of its this rank used;
+    # from each rank that used one of this rank's chunks, its sum.
+    like = sh.zeros((sh.batch, sh.chunks.size) + tuple(k.shape[2:]))
+    sends = [(sh.chunks.owner(c), c, gk, gv) for c, (gk, gv) in dkv.items() if c not in sh.tokens_of]
+    recvs = [(peer, c, like, like) for peer in range(sh.world) if peer != sh.rank
+             for c in sh.all_needs[peer] if c in sh.tokens_of]
+    dk, dv = sh.zeros(tuple(k.shape)), sh.zeros(tuple(v.shape))
+    for c, (gk, gv) in dkv.items():
+        if c in sh.tokens_of:
+            sh.own(dk, c)[...] += gk
+            sh.own(dv, c)[...] += gv
+    for c, gk, gv in sh.comm.exchange(sends, recvs):
+        sh.own(dk, c)[...] += gk
+        sh.own(dv, c)[...] += gv
+    grads = sh.cast(dq, q), sh.cast(dk, k), sh.cast(dv, v)
+    return tuple(g[0] for g in grads) if varlen else grads

@@ -116,6 +116,20 @@ class Shard:
     def local_blocks(self, fmt=None):
         return None if self.blocks is None else as_format(self.blocks[:, :, self.rows, :], self.block, fmt)
 
+    def reference_backward(self, dout):
+        """The single-process gradients of the whole problem for the loss gradient dout."""
+        out, lse = reference(self.q, self.k, self.v, self.blocks, self.cu, self.block, self.causal)
+        mask = bsattn.Mask(causal=self.causal)
+        if self.cu is not None and self.blocks is None:
+            grads = bsattn.attention_backward(self.q[0], self.k[0], self.v[0], out[0], lse[0], dout[0], mask=mask,
+                                              cu_seqlens_q=self.cu, cu_seqlens_k=self.cu)
+            return out, lse, [g[None] for g in grads]
+        if self.cu is not None:
+            ids = np.repeat(np.arange(len(self.cu) - 1, dtype=np.int32), np.diff(self.cu))[None]
+            mask = bsattn.Mask(causal=self.causal, doc_ids=(ids, ids))
+        sparsity = None if self.blocks is None else bsattn.from_dense_block_mask(self.blocks, (self.block, self.block))
+        return out, lse, bsattn.attention_backward(self.q, self.k, self.v, out, lse, dout, sparsity, mask=mask)
+
     def check(self, out, lse):
         ref_out, ref_lse = reference(self.q, self.k, self.v, self.blocks, self.cu, self.block, self.causal)
         ref_out, ref_lse = ref_out[:, self.tokens], ref_lse[:, :, self.tokens]
@@ -139,10 +153,19 @@ def reported(rank, results, body):
 def worker(rank, world, ends, case, results):
     def body():
         s = Shard(case, rank, world)
-        out, lse, stats = bd.attention(*s.inputs(), s.local_blocks(case.get("format")), block_size=(s.block, s.block),
-                                       causal=s.causal, cu_seqlens=s.cu, layout=s.layout,
-                                       group=PipeGroup(rank, world, ends), return_lse=True, return_stats=True)
+        group = PipeGroup(rank, world, ends)
+        blocks = s.local_blocks(case.get("format"))
+        keywords = dict(block_size=(s.block, s.block), causal=s.causal, cu_seqlens=s.cu, layout=s.layout, group=group)
+        out, lse, stats = bd.attention(*s.inputs(), blocks, return_lse=True, return_stats=True, **keywords)
         s.check(out, lse)
+        if case.get("backward"):
+            dout = np.random.default_rng(case["inputs"]["seed"] + 1).standard_normal(s.q.shape, dtype=np.float32)
+            full_out, full_lse, want = s.reference_backward(dout)
+            local = lambda t: t[:, s.tokens][0] if s.varlen_layout else t[:, s.tokens]  # noqa: E731
+            got = bd.attention_backward(*s.inputs(), out, lse, local(dout), blocks, **keywords)
+            for name, g, w in zip(("dq", "dk", "dv"), got, want):
+                assert g.shape == local(w).shape, name
+                np.testing.assert_allclose(g, local(w), rtol=2e-4, atol=5e-5, err_msg=name)
         return stats
 
     reported(rank, results, body)
@@ -172,9 +195,9 @@ def run_ranks(world, case):
 
 
 def case(seed, layout, *, density=0.4, causal=False, documents=False, world=2, hq=4, hkv=2, batch=1, fmt=None,
-         varlen_layout=False):
+         varlen_layout=False, backward=False):
     seq = 512 if world == 2 else 1024
-    return {"layout": layout, "format": fmt, "varlen_layout": varlen_layout,
+    return {"layout": layout, "format": fmt, "varlen_layout": varlen_layout, "backward": backward,
             "inputs": dict(seed=seed, batch=batch, seq=seq, hq=hq, hkv=hkv, dim=32, block=64, density=density,
                            causal=causal, documents=documents)}
 
@@ -207,6 +230,21 @@ def test_packed_documents_in_the_varlen_layout():
 
 def test_packed_documents_with_blocks():
     run_ranks(4, case(40, "contiguous", world=4, density=0.5, causal=True, documents=True))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_backward_matches_the_single_process_gradients(world, layout):
+    run_ranks(world, case(100 + world, layout, world=world, causal=True, hq=4, hkv=2, backward=True))
+
+
+def test_backward_random_blocks_batched():
+    run_ranks(2, case(110, "contiguous", batch=2, backward=True))
+
+
+def test_backward_packed_documents():
+    run_ranks(2, case(120, "zigzag", density=None, causal=True, documents=True, varlen_layout=True, backward=True))
+    run_ranks(4, case(121, "contiguous", world=4, density=0.5, causal=True, documents=True, backward=True))
 
 
 def test_dense_every_block():
