@@ -296,12 +296,71 @@ def _varlen_to_batched(cu_seqlens, *tensors):
 def attention(q, k, v, block_mask=None, *, block_size=(128, 128), causal=False, cu_seqlens=None, layout="contiguous",
               scale=None, group=None, return_lse=False, return_stats=False):
     """This rank's rows of block-sparse attention over the sharded sequence (module docstring).
+    PyTorch tensors that require gradients go through a `torch.autograd.Function` whose backward
+    is `attention_backward`.
 
     Returns ``out`` (Q's shape and dtype), plus ``lse`` fp32 ``[B, Hq, S_local]`` with
     ``return_lse``, plus with ``return_stats`` a dict: ``bytes_received`` / ``bytes_sent`` (K and V
     moved for this rank), ``all_gather_bytes`` (what gathering every other shard would have
     brought it) and ``chunks_received``.
     """
+    keywords = dict(block_size=block_size, causal=causal, cu_seqlens=cu_seqlens, layout=layout, scale=scale,
+                    group=group)
+    if _tensors.is_torch(q) and _needs_autograd(q, k, v):  # gradients through attention_backward
+        stats = {}
+        out, lse = _DistributedFunction.apply(q, k, v, block_mask, keywords, stats)
+    else:
+        out, lse, stats = _forward(q, k, v, block_mask, **keywords)
+    result = (out, lse) if return_lse else (out,)
+    if return_stats:
+        result += (stats,)
+    return result[0] if len(result) == 1 else result
+
+
+def _needs_autograd(*tensors):
+    import torch
+
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _torch_function():
+    """torch.autograd.Function of the sharded attention: the forward saves O and LSE, the backward
+    is `attention_backward` (the LSE is an output without a gradient)."""
+    import torch
+
+    class DistributedAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, block_mask, keywords, stats):
+            out, lse, moved = _forward(q, k, v, block_mask, **keywords)
+            stats.update(moved)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.block_mask, ctx.keywords = block_mask, keywords
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = attention_backward(q, k, v, out, lse, dout.contiguous(), ctx.block_mask, **ctx.keywords)
+            return dq, dk, dv, None, None, None
+
+    return DistributedAttention
+
+
+class _LazyFunction:
+    _cls = None
+
+    def apply(self, *args):
+        if _LazyFunction._cls is None:
+            _LazyFunction._cls = _torch_function()
+        return _LazyFunction._cls.apply(*args)
+
+
+_DistributedFunction = _LazyFunction()
+
+
+def _forward(q, k, v, block_mask, *, block_size, causal, cu_seqlens, layout, scale, group):
+    """(out, lse, stats) of `attention`."""
     varlen, (q, k, v) = _varlen_to_batched(cu_seqlens, q, k, v)
     sh = _Shards(q, k, v, block_mask, block_size, causal, cu_seqlens, layout, group)
     lib = sh.lib
@@ -341,10 +400,7 @@ def attention(q, k, v, block_mask=None, *, block_size=(128, 128), causal=False, 
         out, lse = out[0], lse[0]
     stats = {"bytes_received": sh.kv_bytes(k, received), "bytes_sent": sh.kv_bytes(k, len(sends)),
              "chunks_received": received, "all_gather_bytes": sh.kv_bytes(k, sh.chunks.count - len(sh.mine))}
-    result = (out, lse) if return_lse else (out,)
-    if return_stats:
-        result += (stats,)
-    return result[0] if len(result) == 1 else result
+    return out, lse, stats
 
 
 def attention_backward(q, k, v, out, lse, dout, block_mask=None, *, block_size=(128, 128), causal=False,

@@ -280,9 +280,15 @@ def gloo_worker(rank, world, port, case, results):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         s = Shard(case, rank, world)
         t = lambda x: torch.from_numpy(np.ascontiguousarray(x))  # noqa: E731
-        out, lse = bd.attention(*map(t, s.inputs()), t(s.local_blocks()), block_size=(s.block, s.block),
-                                causal=s.causal, layout=s.layout, return_lse=True)
-        s.check(out.numpy(), lse.numpy())
+        q, k, v = (t(x).requires_grad_(True) for x in s.inputs())
+        out, lse = bd.attention(q, k, v, t(s.local_blocks()), block_size=(s.block, s.block), causal=s.causal,
+                                layout=s.layout, return_lse=True)
+        s.check(out.detach().numpy(), lse.numpy())
+        dout = np.random.default_rng(case["inputs"]["seed"] + 1).standard_normal(s.q.shape, dtype=np.float32)
+        (out * t(dout[:, s.tokens])).sum().backward()  # autograd through attention_backward
+        _, _, want = s.reference_backward(dout)
+        for name, g, w in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
+            np.testing.assert_allclose(g.numpy(), w[:, s.tokens], rtol=2e-4, atol=5e-5, err_msg=name)
         dist.destroy_process_group()
 
     reported(rank, results, body)
