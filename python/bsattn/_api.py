@@ -269,7 +269,7 @@ def attention_backward(q, k, v, out, lse, dout, sparsity=None, *, scale=None, ma
     ``dlse`` (float32, ``lse``'s shape) adds the gradient of a loss that uses the LSE too.
     Every attended pair contributes, rows with ``lse = -inf`` nothing; accumulation is fp32.
     ``dq``, ``dk``, ``dv`` may be given (Q's, K's, V's shape, in their dtype or float32), else
-    they are allocated like q, k, v. CPU engine only for now; proxy compensation and paged KV
+    they are allocated like q, k, v. CPU engine and GPU; proxy compensation and paged KV
     have no backward (`BsattnError` names the argument).
     """
     slots, options = _flatten(
