@@ -21,8 +21,8 @@ EVENTS = ["entry", "barriers ready", "dependency met", "tile decoded", "Q issued
           "loader issued", "consumer has tile", "consumer has Q", "first S GEMM", "loop done", "stored",
           "split arrived", "split merged", "consumer exit"]
 PREPARE = ["prepare entry", "prepare row open", "prepare counted", "prepare written", "overflow published"]
-SLOTS, MAX_CTAS = 16, 1024  # timeline.cuh: kTimelineSlots, kTimelineCtas
-buffer = torch.zeros(2 * MAX_CTAS * SLOTS * 2, dtype=torch.int64, device="cuda")
+SLOTS, MAX_CTAS, TILES = 16, 1024, 64  # timeline.cuh: kTimelineSlots, kTimelineCtas, kTimelineTiles
+buffer = torch.zeros(2 * MAX_CTAS * SLOTS * 2 + MAX_CTAS * TILES * 3, dtype=torch.int64, device="cuda")
 os.environ["BSATTN_GPU_TIMELINE_BUFFER"] = str(buffer.data_ptr())  # read at the first launch
 LIB = benchlib.load(sys.argv[1], need=("bsattn_bench_plan_kv_lists", "bsattn_bench_run_kv_lists"))
 HQ, HKV, D, BK = 32, 8, 128, 128
@@ -47,7 +47,7 @@ for L, k in ((8192, None), (8192, 0), (8192, 4), (131072, None)):
         benchlib.ok(LIB, LIB.bsattn_bench_run_kv_lists(plan.h, *a, None, s))
     torch.cuda.synchronize()
     plan.check()
-    t = buffer.view(2, MAX_CTAS, SLOTS, 2)[:, :, :, 0].cpu().tolist()
+    t = buffer[:2 * MAX_CTAS * SLOTS * 2].view(2, MAX_CTAS, SLOTS, 2)[:, :, :, 0].cpu().tolist()
     ctas = [row for row in t[0] if row[0] != 0]
     blocks = [row for row in t[1] if row[0] != 0]
     start = min(row[0] for row in blocks + ctas)

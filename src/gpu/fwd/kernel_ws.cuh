@@ -289,6 +289,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   if (marker) timeline_mark(desc.timeline, kConsumerHasTile);
   for (int t = 0; next; ++t) {
     const Tile& tile = *next;
+    const int tile_item = tile.item;  // for the timeline only
+    if (marker) timeline_tile(desc.timeline, t, false);
     Barrier::wait(&bars.full_q[wg], t & 1);
     cutlass::arch::fence_view_async_shared();  // the Q rows (cp.async) before wgmma reads them
     if (marker && t == 0) timeline_mark(desc.timeline, kConsumerHasQ);
@@ -459,6 +461,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       release_q();
     }
     barrier_arrive(kTileEmpty + (t & 1), handoff_threads);  // done with the slot
+    if (marker) timeline_tile(desc.timeline, t, true, tile_item, count);
   }
   warpgroup_wait<0>();  // a discarded S GEMM after the last tile
   if constexpr (T::kDecode) {

@@ -3,9 +3,11 @@
 // and clock64 at a few points of its first tile into `LaunchDescriptors::timeline`. Compiled only
 // in a measurement build (CMake -DBSATTN_GPU_TIMELINE=ON); the buffer's device address comes from
 // the environment variable BSATTN_GPU_TIMELINE_BUFFER (read at the first launch;
-// bench/gpu/decode_timeline.py): two regions of kTimelineCtas x kTimelineSlots x {globaltimer,
-// clock64}, the forward kernel's CTAs, then route preparation's blocks. In a normal build the
-// marks are no code.
+// bench/gpu/decode_timeline.py, forward_timeline.py): two regions of kTimelineCtas x
+// kTimelineSlots x {globaltimer, clock64}, the forward kernel's CTAs, then route preparation's
+// blocks; then a third of kTimelineCtas x kTimelineTiles x {start, end, item | count << 32}, each
+// CTA's tiles (consumer warpgroup 0), for load balance and tails. In a normal build the marks are
+// no code.
 #pragma once
 #include <cstdint>
 #include <cstdlib>
@@ -33,6 +35,8 @@ enum TimelineEvent : int {
 // Route preparation's block marks (thread 0), in the second region.
 enum PrepareEvent : int { kPrepareEntry = 0, kPrepareRowOpen, kPrepareCounted, kPrepareWritten, kPreparePublished };
 constexpr int kTimelineCtas = 1024;
+constexpr int kTimelineTiles = 64;  // tiles recorded per CTA
+constexpr std::size_t kTimelineRegionWords = static_cast<std::size_t>(kTimelineCtas) * kTimelineSlots * 2;
 
 #if BSATTN_GPU_TIMELINE
 __device__ __forceinline__ void timeline_mark(std::uint64_t* buffer, int event) {
@@ -43,16 +47,30 @@ __device__ __forceinline__ void timeline_mark(std::uint64_t* buffer, int event) 
   at[0] = ns;
   at[1] = static_cast<std::uint64_t>(clock64());
 }
-// region 0: the forward kernel; 1: route preparation.
+// Tile t of this CTA: its start (`end` false) or its end with its work item and route count.
+__device__ __forceinline__ void timeline_tile(std::uint64_t* buffer, int t, bool end, int item = 0, int count = 0) {
+  if (!buffer || t >= kTimelineTiles) return;
+  std::uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  std::uint64_t* at = buffer + 2 * kTimelineRegionWords + (static_cast<std::size_t>(blockIdx.x) * kTimelineTiles + t) * 3;
+  if (!end) {
+    at[0] = ns;
+  } else {
+    at[1] = ns;
+    at[2] = static_cast<std::uint32_t>(item) | (static_cast<std::uint64_t>(count) << 32);
+  }
+}
+// region 0: the forward kernel; 1: route preparation (the tiles follow both: timeline_tile).
 inline std::uint64_t* timeline_buffer(int region = 0) {
   static std::uint64_t* const buffer = [] {
     const char* s = std::getenv("BSATTN_GPU_TIMELINE_BUFFER");
     return s ? reinterpret_cast<std::uint64_t*>(std::strtoull(s, nullptr, 0)) : nullptr;
   }();
-  return buffer ? buffer + static_cast<std::size_t>(region) * kTimelineCtas * kTimelineSlots * 2 : nullptr;
+  return buffer ? buffer + region * kTimelineRegionWords : nullptr;
 }
 #else
 __device__ __forceinline__ void timeline_mark(std::uint64_t*, int) {}
+__device__ __forceinline__ void timeline_tile(std::uint64_t*, int, bool, int = 0, int = 0) {}
 inline std::uint64_t* timeline_buffer(int = 0) { return nullptr; }
 #endif
 

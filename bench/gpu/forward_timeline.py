@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Where a prefill kernel's time goes across its CTAs: the forward kernel of a timeline build
+(CMake -DBSATTN_GPU_TIMELINE=ON, src/gpu/fwd/timeline.cuh) records %globaltimer at the start and
+end of each CTA's first 64 tiles (with the tile's work item and route count). This prints, per
+shape, the kernel's span, how the CTAs' busy spans end (median, last: the tail), the gaps between
+a CTA's tiles, and the time per route of short and long tiles. bf16, Hq 32 / Hkv 8, D 128.
+
+  python3 bench/gpu/forward_timeline.py build-tl/bench/gpu/libbsattn_bench.so [causal|rand0.1|...]
+"""
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+
+SLOTS, MAX_CTAS, TILES = 16, 1024, 64  # timeline.cuh: kTimelineSlots, kTimelineCtas, kTimelineTiles
+buffer = torch.zeros(2 * MAX_CTAS * SLOTS * 2 + MAX_CTAS * TILES * 3, dtype=torch.int64, device="cuda")
+os.environ["BSATTN_GPU_TIMELINE_BUFFER"] = str(buffer.data_ptr())  # read at the first launch
+LIB = benchlib.load(sys.argv[1], need=("bsattn_bench_plan", "bsattn_bench_run"))
+HQ, HKV, D, BLOCK = 32, 8, 128, 128
+# name: (batch, seqlen, causal, density per query head or None)
+SHAPES = {"causal": (1, 32768, True, None), "rand0.1": (1, 32768, False, 0.1), "rand0.5": (1, 32768, False, 0.5),
+          "causal8k": (4, 8192, True, None)}
+
+
+def lists(batch, seqlen, density, gen):
+    nb = seqlen // BLOCK
+    keep = torch.rand(1, HQ, nb, nb, generator=gen, device="cuda") < density
+    counts = keep.sum(-1).to(torch.int32)
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts.contiguous(), order.contiguous()
+
+
+for name in sys.argv[2:] or SHAPES:
+    batch, seqlen, causal, density = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, seqlen, HQ, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+    k = torch.randn(batch, seqlen, HKV, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+    v = torch.randn(batch, seqlen, HKV, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+    out = torch.empty_like(q)
+    cnt, idx = lists(batch, seqlen, density, gen) if density else (None, None)
+    plan = benchlib.Plan(LIB, LIB.bsattn_bench_plan(batch, seqlen, HQ, HKV, D, 0, BLOCK, BLOCK, 1 if density else 0,
+                                                    HQ if density else 1, int(causal), -1))
+    s = benchlib.stream()
+    args = [benchlib.ptr(t) for t in (q, k, v, out, None, cnt, idx)]
+    for _ in range(3):
+        benchlib.ok(LIB, LIB.bsattn_bench_run(plan.h, *args, s))
+    torch.cuda.synchronize()
+    buffer.zero_()
+    benchlib.ok(LIB, LIB.bsattn_bench_run(plan.h, *args, s))
+    torch.cuda.synchronize()
+    plan.check()
+    tiles = buffer[2 * MAX_CTAS * SLOTS * 2:].view(MAX_CTAS, TILES, 3).cpu().tolist()
+    ctas = [[t for t in row if t[0] and t[1]] for row in tiles]
+    ctas = [row for row in ctas if row]
+    start = min(t[0] for row in ctas for t in row)
+    ends = sorted((row[-1][1] - start) / 1e3 for row in ctas)
+    gaps = [(b[0] - a[1]) / 1e3 for row in ctas for a, b in zip(row, row[1:])]
+    per_route = {}
+    for row in ctas:
+        for t in row:
+            count = t[2] >> 32
+            if count:
+                per_route.setdefault(min(count // 8 * 8, 64), []).append((t[1] - t[0]) / 1e3 / count)
+    print(f"{name}: {len(ctas)} CTAs, {sum(len(r) for r in ctas)} tiles recorded (first {TILES} per CTA); "
+          f"CTA ends median {statistics.median(ends):.1f} us, last {ends[-1]:.1f} us (tail "
+          f"{ends[-1] - statistics.median(ends):.1f}); gaps between tiles median "
+          f"{statistics.median(gaps) if gaps else 0:.2f} us, max {max(gaps) if gaps else 0:.2f}")
+    for bucket in sorted(per_route):
+        vals = per_route[bucket]
+        print(f"  tiles of {bucket}-{bucket + 7} routes: {len(vals)}, {statistics.median(vals):.3f} us per route")
+    sys.stdout.flush()
