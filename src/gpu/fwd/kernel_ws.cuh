@@ -115,11 +115,14 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   // sort) the tile warp places its first tile and loads its Q first, and waits then (hand_out).
   const bool q_before_routes = T::kDecode && a.row_order == nullptr;
   // Routes made from the sequence lengths (decode.cuh DecodeGeometry::routes_from_lengths): only
-  // with the positional mask, so never in the kernels that read token tensors.
+  // with the positional mask, so never in the kernels that read token tensors. No route
+  // preparation ran, so nothing can overflow and the flag is not read (a dependent load less
+  // before the first tile).
   constexpr bool kFromLengths = T::kDecode && !kTokenTensors;
+  const bool may_overflow = !(kFromLengths && desc.decode.routes_from_lengths);
   if (!(q_before_routes && role == 0 && tid / 32 == C::kTileWarp)) {
     if constexpr (T::kDecode) asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    if (*overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
+    if (may_overflow && *overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
   }
   if (tid == 0) timeline_mark(desc.timeline, kDependencyMet);
   const bool warp_leader = (tid % 32) == 0;
@@ -175,7 +178,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
           if (has_tile) load_q<T>(slot, s, tma, a, desc, st, bars, pair_rank, true);
           if (lane == 0) timeline_mark(desc.timeline, kQIssued);
           asm volatile("griddepcontrol.wait;\n" ::: "memory");
-          if (*overflow != 0) {  // the other threads have left; Q must land before this warp does
+          if (may_overflow && *overflow != 0) {  // the other threads have left; Q must land before this warp does
             if (has_tile && tma && lane == 0) Barrier::wait(&bars.full_q[0], 0);
             return false;
           }

@@ -91,10 +91,11 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
   } else if constexpr (T::kDecode) {
     // Programmatic dependent launch: the CTAs are placed while route preparation (a few blocks
     // for a decode step) still runs, and wait for it in the kernel (griddepcontrol.wait), so the
-    // launch latency of a ~20 us step overlaps the preparation.
+    // launch latency of a ~20 us step overlaps the preparation. Routes made from the lengths:
+    // no preparation precedes the kernel, an ordinary launch.
     cudaLaunchAttribute dependent{};
     dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    dependent.val.programmaticStreamSerializationAllowed = 1;
+    dependent.val.programmaticStreamSerializationAllowed = decode.routes_from_lengths ? 0 : 1;
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(cta_per_tile ? items : std::min(items, sms));
     config.blockDim = dim3(C::kThreads);
