@@ -294,10 +294,11 @@ def _varlen_to_batched(cu_seqlens, *tensors):
 
 
 def attention(q, k, v, block_mask=None, *, block_size=(128, 128), causal=False, cu_seqlens=None, layout="contiguous",
-              scale=None, group=None, return_lse=False, return_stats=False):
+              scale=None, group=None, validate=True, return_lse=False, return_stats=False):
     """This rank's rows of block-sparse attention over the sharded sequence (module docstring).
     PyTorch tensors that require gradients go through a `torch.autograd.Function` whose backward
-    is `attention_backward`.
+    is `attention_backward`. ``validate``: as in `bsattn.attention`, for every chunk pair's call
+    (False skips the value checks, which copy metadata to the host).
 
     Returns ``out`` (Q's shape and dtype), plus ``lse`` fp32 ``[B, Hq, S_local]`` with
     ``return_lse``, plus with ``return_stats`` a dict: ``bytes_received`` / ``bytes_sent`` (K and V
@@ -305,7 +306,7 @@ def attention(q, k, v, block_mask=None, *, block_size=(128, 128), causal=False, 
     brought it) and ``chunks_received``.
     """
     keywords = dict(block_size=block_size, causal=causal, cu_seqlens=cu_seqlens, layout=layout, scale=scale,
-                    group=group)
+                    group=group, validate=validate)
     if _tensors.is_torch(q) and _needs_autograd(q, k, v):  # gradients through attention_backward
         stats = {}
         out, lse = _DistributedFunction.apply(q, k, v, block_mask, keywords, stats)
@@ -359,7 +360,7 @@ class _LazyFunction:
 _DistributedFunction = _LazyFunction()
 
 
-def _forward(q, k, v, block_mask, *, block_size, causal, cu_seqlens, layout, scale, group):
+def _forward(q, k, v, block_mask, *, block_size, causal, cu_seqlens, layout, scale, group, validate):
     """(out, lse, stats) of `attention`."""
     varlen, (q, k, v) = _varlen_to_batched(cu_seqlens, q, k, v)
     sh = _Shards(q, k, v, block_mask, block_size, causal, cu_seqlens, layout, group)
@@ -369,7 +370,7 @@ def _forward(q, k, v, block_mask, *, block_size, causal, cu_seqlens, layout, sca
     def attend(kc, kk, vv):
         for qc, (lo, hi), call in sh.pairs(kc):
             out, lse = _attention(q[:, lo:hi], kk, vv, call["sparsity"], mask=call["mask"], scale=scale,
-                                  return_lse=True, out_dtype=lib.float32)
+                                  return_lse=True, out_dtype=lib.float32, validate=validate)
             parts[qc][0].append(out)
             parts[qc][1].append(lse)
 
@@ -404,7 +405,7 @@ def _forward(q, k, v, block_mask, *, block_size, causal, cu_seqlens, layout, sca
 
 
 def attention_backward(q, k, v, out, lse, dout, block_mask=None, *, block_size=(128, 128), causal=False,
-                       cu_seqlens=None, layout="contiguous", scale=None, group=None):
+                       cu_seqlens=None, layout="contiguous", scale=None, group=None, validate=True):
     """This rank's gradients ``(dq, dk, dv)`` (its shards' shapes and dtypes) of `attention` for
     the loss gradient ``dout``; ``out`` and ``lse`` are what `attention` returned on this rank,
     the other arguments as given to it.
@@ -427,7 +428,7 @@ def attention_backward(q, k, v, out, lse, dout, block_mask=None, *, block_size=(
     def differentiate(kc, kk, vv):
         for qc, (lo, hi), call in sh.pairs(kc):
             gq, gk, gv = _attention_backward(q[:, lo:hi], kk, vv, out[:, lo:hi], lse[:, :, lo:hi], dout[:, lo:hi],
-                                             call["sparsity"], mask=call["mask"], scale=scale,
+                                             call["sparsity"], mask=call["mask"], scale=scale, validate=validate,
                                              dq=sh.zeros(tuple(q[:, lo:hi].shape)), dk=sh.zeros(tuple(kk.shape)),
                                              dv=sh.zeros(tuple(vv.shape)))
             dq[:, lo:hi] += gq
