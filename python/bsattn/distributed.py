@@ -31,6 +31,8 @@ on GPUs; ``None``: the default group) when the tensors are PyTorch tensors, or a
 the forward, and the gradients of the chunks a rank used go back to their owners.
 """
 
+import functools
+
 from . import _tensors
 from ._api import attention as _attention
 from ._merge import merge_states
@@ -72,10 +74,6 @@ def _library(t):
 
 def _cat(lib, parts, axis):
     return lib.cat(parts, dim=axis) if lib.__name__ == "torch" else lib.concatenate(parts, axis=axis)
-
-
-def _stack(lib, parts):
-    return lib.stack(parts)
 
 
 class Exchange:
@@ -309,7 +307,7 @@ def attention(q, k, v, block_mask=None, *, block_size=(128, 128), causal=False, 
                     group=group, validate=validate)
     if _tensors.is_torch(q) and _needs_autograd(q, k, v):  # gradients through attention_backward
         stats = {}
-        out, lse = _DistributedFunction.apply(q, k, v, block_mask, keywords, stats)
+        out, lse = _torch_function().apply(q, k, v, block_mask, keywords, stats)
     else:
         out, lse, stats = _forward(q, k, v, block_mask, **keywords)
     result = (out, lse) if return_lse else (out,)
@@ -324,6 +322,7 @@ def _needs_autograd(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+@functools.cache
 def _torch_function():
     """torch.autograd.Function of the sharded attention: the forward saves O and LSE, the backward
     is `attention_backward` (the LSE is an output without a gradient)."""
@@ -346,18 +345,6 @@ def _torch_function():
             return dq, dk, dv, None, None, None
 
     return DistributedAttention
-
-
-class _LazyFunction:
-    _cls = None
-
-    def apply(self, *args):
-        if _LazyFunction._cls is None:
-            _LazyFunction._cls = _torch_function()
-        return _LazyFunction._cls.apply(*args)
-
-
-_DistributedFunction = _LazyFunction()
 
 
 def _forward(q, k, v, block_mask, *, block_size, causal, cu_seqlens, layout, scale, group, validate):
@@ -393,7 +380,7 @@ def _forward(q, k, v, block_mask, *, block_size, causal, cu_seqlens, layout, sca
         elif len(o) == 1:
             o, l = o[0], l[0]
         else:
-            o, l = merge_states(_stack(lib, o), _stack(lib, l))
+            o, l = merge_states(lib.stack(o), lib.stack(l))
         outs.append(o)
         lses.append(l)
     out, lse = sh.cast(_cat(lib, outs, 1), q), _cat(lib, lses, 2)
