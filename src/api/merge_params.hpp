@@ -59,6 +59,16 @@ struct MergeParams {
 // weight 0 and changes nothing, so its O is never used; a NaN LSE (or +inf) turns the sum, the
 // accumulator and the LSE into NaN.
 struct Accumulator {
+  // exp of a difference of LSEs (<= 0, or NaN): the fast hardware exponential on the device.
+  static BSATTN_HD float exp_of(float x) {
+#ifdef __CUDA_ARCH__
+    return __expf(x);
+#else
+    return expf(x);
+#endif
+  }
+  // The exponent base of a maximum: 0 while every part is empty, so that weights are exp(-inf) = 0.
+  static BSATTN_HD float base(float max) { return max == -INFINITY ? 0.0f : max; }
   float max_lse = -INFINITY;
   float sum = 0.0f;  // sum_i exp(lse_i - max_lse) over the parts added so far
 
@@ -77,6 +87,18 @@ struct Accumulator {
     sum += weight;
     return rescale;
   }
+  // add() in pieces, for parts whose LSEs are at hand together (the decode kernel's split merge
+  // reduces a batch of them across a warp): the batch's maximum by max_of (a NaN is kept), then
+  // rebase() to the new maximum (returns the O accumulator's factor), then each part's weight()
+  // is added to `sum` and weight * o_i to the O accumulator (none for an empty part: weight 0).
+  static BSATTN_HD float max_of(float a, float b) { return (b > a || b != b) ? b : a; }
+  BSATTN_HD float rebase(float new_max) {
+    const float rescale = exp_of(max_lse - base(new_max));  // 0 from an empty start
+    sum *= rescale;
+    max_lse = new_max;
+    return rescale;
+  }
+  BSATTN_HD float weight(float part_lse) const { return exp_of(part_lse - base(max_lse)); }
   BSATTN_HD float inv_sum() const { return sum == 0.0f ? 0.0f : 1.0f / sum; }  // 0 for an empty row
   BSATTN_HD float lse() const { return sum == 0.0f ? -INFINITY : max_lse + logf(sum); }
 };

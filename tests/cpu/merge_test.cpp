@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "api/merge_params.hpp"
 #include "bsattn/merge.hpp"
 #include "random_problem.hpp"
 
@@ -508,6 +509,67 @@ TEST(MergeValidation, MergeStatesArguments) {
   straddling.data = static_cast<std::uint16_t*>(straddling.data) + 4;
   EXPECT_NO_THROW(bsattn::merge_states(outs.view, lses.view, part1, slice(lses.view, 2)));
   rejected(outs.view, lses.view, straddling, lse.view, "out", "overlaps input outs");
+}
+
+// merge::Accumulator in batches (max_of, rebase, weight: the decode kernel's split merge) against
+// add() one part at a time, on random parts with empty, NaN, infinite, equal and far-apart LSEs.
+template <int N>
+void batches_equal_single_parts(std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(0.0f, 1.0f), lse_value(-40.0f, 40.0f), o_value(-2.0f, 2.0f);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int parts = 1 + static_cast<int>(u(rng) * 40);
+    const float special = u(rng);  // how often a part is empty, NaN or +inf in this trial
+    std::vector<float> lse(parts), o(parts);
+    for (int i = 0; i < parts; ++i) {
+      const float r = u(rng);
+      lse[i] = r < special * 0.5f     ? -inf
+               : r < special * 0.52f ? nan
+               : r < special * 0.54f ? inf
+               : i > 0 && r > 0.9f   ? lse[i - 1]
+                                     : lse_value(rng);
+      o[i] = o_value(rng);
+    }
+    bsattn::merge::Accumulator one, batched;
+    float o_one = 0.0f, o_batched = 0.0f;
+    for (int i = 0; i < parts; ++i) {
+      float w;
+      const float rescale = one.add(lse[i], w);
+      if (rescale != 1.0f) o_one *= rescale;
+      if (w != 0.0f) o_one += w * o[i];
+    }
+    for (int i0 = 0; i0 < parts; i0 += N) {
+      float m = batched.max_lse;
+      for (int j = 0; j < N && i0 + j < parts; ++j) m = bsattn::merge::Accumulator::max_of(m, lse[i0 + j]);
+      o_batched *= batched.rebase(m);
+      for (int j = 0; j < N && i0 + j < parts; ++j) {
+        const float w = batched.weight(lse[i0 + j]);
+        batched.sum += w;
+        if (w != 0.0f) o_batched += w * o[i0 + j];
+      }
+    }
+    const float want_o = o_one * one.inv_sum(), got_o = o_batched * batched.inv_sum();
+    const float want_lse = one.lse(), got_lse = batched.lse();
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ", " << parts << " parts, batch " << N);
+    ASSERT_EQ(std::isnan(got_lse), std::isnan(want_lse));
+    ASSERT_EQ(std::isnan(got_o), std::isnan(want_o));
+    if (std::isnan(want_lse)) continue;
+    if (std::isinf(want_lse)) {
+      ASSERT_EQ(got_lse, want_lse);
+    } else {
+      ASSERT_NEAR(got_lse, want_lse, 1e-5f * (1.0f + std::fabs(want_lse)));
+    }
+    if (!std::isnan(want_o)) {
+      ASSERT_NEAR(got_o, want_o, 1e-5f * (1.0f + std::fabs(want_o)));
+    }
+  }
+}
+
+TEST(MergeAccumulator, BatchesEqualOnePartAtATime) {
+  std::mt19937 rng(std::random_device{}());
+  batches_equal_single_parts<1>(rng);
+  batches_equal_single_parts<4>(rng);
+  batches_equal_single_parts<16>(rng);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -153,6 +154,72 @@ TEST(GpuDecode, StepWithRoutesFromLengths) {
       c->problem.max_routes_per_row = 0;  // the CPU engine prepares routes
       expect_close(*c, download(*c), run_cpu(*c));
     }
+}
+
+// The split merge (decode.cuh merge_splits) takes the splits in batches of 16, a warp per row:
+// one sequence long enough for 30 to 66 splits (two to five batches, the last one partial), every
+// block (routes from the lengths) and block lists (route preparation), D 64 / 128 / 256, f32 and
+// 16-bit outputs. Then a NaN or an infinity in one K element of KV head 0: the CPU engine's
+// non-finite rows (issue 14: the rows it touches) must be NaN / non-finite through the merge,
+// LSE included, and every other row must match.
+TEST(GpuDecode, ManySplitsMergeInBatches) {
+  REQUIRE_SM90();
+  std::mt19937_64 rng(1207);
+  std::uint64_t seed = 12070;
+  std::size_t non_finite_rows = 0;
+  for (int rep = 0; rep < 6; ++rep) {
+    const int shape = rep % 3;  // 0 bf16 D 128 every block; 1 f16 D 64 lists, f32 out; 2 bf16 D 256 lists
+    const bool poisoned = rep >= 3;
+    CaseSpec spec;
+    spec.format = shape == 0 ? Format::all_blocks : Format::block_lists;
+    spec.density = 0.8;
+    spec.hq = 8;
+    spec.hkv = 2;
+    spec.sparsity_heads = 2;  // per KV head: the group's 4 query heads share a tile
+    spec.max_seqlen_q = 1;
+    spec.batch = 1;
+    spec.mask = 0;
+    spec.dtype = shape == 1 ? DType::f16 : DType::bf16;
+    spec.out_f32 = shape == 1;
+    spec.head_dim = shape == 0 ? 128 : shape == 1 ? 64 : 256;
+    spec.bq = spec.bk = shape == 0 ? 128 : 64;
+    spec.max_seqlen = shape == 0 ? 60000 : 30000;
+    spec.seed = seed++;
+    auto c = make_case(spec);
+    if (poisoned) {  // one element of KV head 0 at a random token
+      const float value = rep == 4 ? INFINITY : NAN;
+      const std::int64_t token = std::uniform_int_distribution<std::int64_t>(0, c->seqlen_kv[0] - 1)(rng);
+      const int d = std::uniform_int_distribution<int>(0, spec.head_dim - 1)(rng);
+      c->k->as<std::uint16_t>()[(token * spec.hkv + 0) * spec.head_dim + d] = to_bits(value, spec.dtype);
+      c->k->upload();
+    }
+    SCOPED_TRACE(c->name + " rep " + std::to_string(rep));
+    c->poison_outputs();
+    Plan plan(c->problem);
+    expect_decode_plan(plan);
+    EXPECT_GT(plan.tiles().kv_splits, 16) << "one batch of splits only";
+    run_gpu(*c);
+    const Result gpu = download(*c), ref = run_cpu(*c);
+    if (!poisoned) {
+      expect_close(*c, gpu, ref);
+      continue;
+    }
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < ref.out.size(); ++i) {
+      const float g = gpu.out[i], r = ref.out[i];
+      const bool ok = std::isfinite(r) ? std::isfinite(g) && std::fabs(g - r) <= 0.03f + 0.02f * std::fabs(r)
+                                       : std::isnan(r) ? std::isnan(g) : !std::isfinite(g);
+      bad += !ok;
+    }
+    for (std::size_t i = 0; i < ref.lse.size(); ++i) {
+      const float g = gpu.lse[i], r = ref.lse[i];
+      non_finite_rows += !std::isfinite(r);
+      const bool ok = std::isnan(r) ? std::isnan(g) : std::isinf(r) ? g == r : std::fabs(g - r) <= 2e-3f + 1e-4f * std::fabs(r);
+      bad += !ok;
+    }
+    EXPECT_EQ(bad, 0u);
+  }
+  EXPECT_GT(non_finite_rows, 0u) << "no poisoned element reached a row";
 }
 
 // A decode step whose routes overflow the workspace writes nothing, split-KV or not: its tile

@@ -66,8 +66,8 @@ struct OutputShift {
 
 // Split-KV combined in the kernel: once a warpgroup has stored its split's partial O and LSE, it
 // counts its arrival for the (route row, head group) `job.unit`; the last of the kv_splits to
-// arrive merges every split's rows into the result (merge::Accumulator, splits in order: what
-// merge_states computes) and sets the count back to zero for the next launch. This replaced a
+// arrive merges every split's rows into the result (merge::Accumulator, the rules of
+// merge_states, in batches of splits) and sets the count back to zero for the next launch. This replaced a
 // merge_states launch after the kernel: 7 us of a 42 us B = 1 decode step on the H200, mostly its
 // launch and four tiny blocks' dependent loads. The partials are read through L2 (ld.global.cg):
 // another multiprocessor wrote them, and this one's L1 may hold lines of an earlier launch.
@@ -83,19 +83,36 @@ struct SplitMerge {
   route::SeqInfo si;
 };
 
+// Arrival of a CTA's warpgroup at a counter other CTAs read: the release orders the warpgroup's
+// stores before it (the barrier before it made them this thread's), the acquire the other
+// arrivals' stores before what follows (the barrier after it passes that on). One thread and no
+// full fences: __threadfence() in every thread (fence.sc, an L1 invalidation) before and after
+// the atomic cost 1 us of a 20 us step.
+__device__ __forceinline__ int arrive_acq_rel(int* counter) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
+
+template <class Out>
+__device__ __forceinline__ void store_quad(Out* dst, float4 v) {
+  if constexpr (sizeof(Out) == 4) {
+    *reinterpret_cast<float4*>(dst) = v;
+  } else {
+    Out x[4] = {Out(v.x), Out(v.y), Out(v.z), Out(v.w)};
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(x);
+  }
+}
+
 template <int kHeadDim>
 __device__ __forceinline__ void merge_splits(const AttentionParams& a, const DecodeGeometry& g, SplitMerge& job,
                                              int tokens, int wg_tid, int barrier_id,
                                              std::uint64_t* timeline = nullptr) {
-  __threadfence();  // this thread's partial stores, before the arrival below is seen
-  barrier_sync(barrier_id, 128);
+  barrier_sync(barrier_id, 128);  // the warpgroup's partial stores, before thread 0's release
   if (!job.pending) return;
   if (wg_tid == 0) {
-    const bool is_last = atomicAdd(&g.split_arrivals[job.unit], 1) == g.kv_splits - 1;
-    if (is_last) {
-      g.split_arrivals[job.unit] = 0;
-      __threadfence();  // the other splits' stores, before the reads below
-    }
+    const bool is_last = arrive_acq_rel(&g.split_arrivals[job.unit]) == g.kv_splits - 1;
+    if (is_last) g.split_arrivals[job.unit] = 0;  // the next launch (ordered by the launch boundary)
     job.last = is_last;
   }
   barrier_sync(barrier_id, 128);
@@ -104,64 +121,74 @@ __device__ __forceinline__ void merge_splits(const AttentionParams& a, const Dec
   const route::SeqInfo si = job.si;
   const int b = job.b, h = job.head, q_begin = job.q_begin;
   // Rows of the tile inside the sequence: `rows_per_head` tokens of each of the packed heads.
-  const int rows_per_head = min(tokens, si.seqlen_q - q_begin), heads = 64 / tokens;
-  constexpr int kChunks = kHeadDim / 4;  // float4 per row
-  constexpr int kBatch = 16;             // splits whose loads are in flight together (8: 3.5 us per merge)
+  const int rows_per_head = min(tokens, si.seqlen_q - q_begin), rows = rows_per_head * (64 / tokens);
+  // A warp merges a row: lane j holds the LSE of split j of a batch of kBatch (the batch's
+  // maximum and weight sum by warp reductions) and 4 columns of the row per 128 (O's parts in a
+  // batch loaded together). Straight-line code and one exponential per lane, as the 8 merging
+  // CTAs run it cold: one (row, 4 columns) per thread with an online merge one split at a time
+  // was 1 350 instructions and 3 us after the last arrival (decode_timeline.py).
+  constexpr int kBatch = 16, kChunks = kHeadDim / 4, kLaneChunks = (kChunks + 31) / 32;
+  const int lane = wg_tid % 32;
   const float* parts = static_cast<const float*>(a.out);
   const bool varlen = a.route.varlen_q;
-  for (int idx = wg_tid; idx < rows_per_head * heads * kChunks; idx += 128) {
-    const int row = idx / kChunks, chunk = idx % kChunks;
+  using merge::Accumulator;
+  for (int row = wg_tid / 32; row < rows; row += 4) {
     const int q = q_begin + row % rows_per_head, head = h + row / rows_per_head;
-    const std::int64_t o_at = a.out_offset(b, si, q, head) + chunk * 4, l_at = a.lse_offset(b, si, q, head);
-    merge::Accumulator acc;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float* lse_at = a.lse + a.lse_offset(b, si, q, head);
+    const float* o_at = parts + a.out_offset(b, si, q, head) + lane * 4;
+    Accumulator acc;
+    float4 o[kLaneChunks];
+    CUTE_UNROLL
+    for (int c = 0; c < kLaneChunks; ++c) o[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s0 = 0; s0 < g.kv_splits; s0 += kBatch) {
-      float lse[kBatch];
-      float4 x[kBatch];
+      const int n = min(kBatch, g.kv_splits - s0);
+      float4 x[kBatch][kLaneChunks];
+      const float* part = o_at + s0 * g.out_split_step;
       CUTE_UNROLL
-      for (int j = 0; j < kBatch; ++j) {
-        if (s0 + j >= g.kv_splits) break;
-        lse[j] = __ldcg(a.lse + (s0 + j) * g.lse_split_step + l_at);
-        x[j] = __ldcg(reinterpret_cast<const float4*>(parts + (s0 + j) * g.out_split_step + o_at));
+      for (int j = 0; j < kBatch; ++j, part += g.out_split_step) {
+        CUTE_UNROLL
+        for (int c = 0; c < kLaneChunks; ++c) {
+          const bool in = j < n && lane + 32 * c < kChunks;
+          x[j][c] = in ? __ldcg(reinterpret_cast<const float4*>(part + 128 * c)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
       }
+      const float lse = lane < n ? __ldcg(lse_at + (s0 + lane) * g.lse_split_step) : -INFINITY;
+      float m = lse;
+      CUTE_UNROLL
+      for (int d = 16; d > 0; d /= 2) m = Accumulator::max_of(m, __shfl_xor_sync(0xffffffffu, m, d));
+      const float rescale = acc.rebase(Accumulator::max_of(acc.max_lse, m));
+      const float w = acc.weight(lse);
+      float total = w;
+      CUTE_UNROLL
+      for (int d = 16; d > 0; d /= 2) total += __shfl_xor_sync(0xffffffffu, total, d);
+      acc.sum += __shfl_sync(0xffffffffu, total, 0);  // lane 0's: every lane normalises alike
+      CUTE_UNROLL
+      for (int c = 0; c < kLaneChunks; ++c)
+        o[c] = make_float4(o[c].x * rescale, o[c].y * rescale, o[c].z * rescale, o[c].w * rescale);
       CUTE_UNROLL
       for (int j = 0; j < kBatch; ++j) {
-        if (s0 + j >= g.kv_splits) break;
-        float weight;
-        const float rescale = acc.add(lse[j], weight);
-        if (rescale != 1.0f) o = make_float4(o.x * rescale, o.y * rescale, o.z * rescale, o.w * rescale);
-        if (weight != 0.0f)
-          o = make_float4(o.x + weight * x[j].x, o.y + weight * x[j].y, o.z + weight * x[j].z, o.w + weight * x[j].w);
+        const float wj = __shfl_sync(0xffffffffu, w, j);
+        if (wj == 0.0f) continue;  // an empty split's O is never used (merge_states' rule)
+        CUTE_UNROLL
+        for (int c = 0; c < kLaneChunks; ++c)
+          o[c] = make_float4(fmaf(wj, x[j][c].x, o[c].x), fmaf(wj, x[j][c].y, o[c].y), fmaf(wj, x[j][c].z, o[c].z),
+                             fmaf(wj, x[j][c].w, o[c].w));
       }
     }
     const float inv = acc.inv_sum();
     const std::int64_t rb = varlen ? 0 : b, rq = varlen ? si.q_base + q : q;
-    char* out = static_cast<char*>(g.result.out);
-    const std::int64_t at = g.result.out_offset(rb, rq, head) + chunk * 4;
-    switch (g.result_type) {
-      case ElementType::f32:
-        *reinterpret_cast<float4*>(reinterpret_cast<float*>(out) + at) =
-            make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
-        break;
-      case ElementType::f16: {
-        const __half2 lo = __floats2half2_rn(o.x * inv, o.y * inv), hi = __floats2half2_rn(o.z * inv, o.w * inv);
-        uint2 v;
-        v.x = *reinterpret_cast<const unsigned*>(&lo);
-        v.y = *reinterpret_cast<const unsigned*>(&hi);
-        *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(out) + at) = v;
-        break;
-      }
-      case ElementType::bf16: {
-        const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x * inv, o.y * inv);
-        const __nv_bfloat162 hi = __floats2bfloat162_rn(o.z * inv, o.w * inv);
-        uint2 v;
-        v.x = *reinterpret_cast<const unsigned*>(&lo);
-        v.y = *reinterpret_cast<const unsigned*>(&hi);
-        *reinterpret_cast<uint2*>(reinterpret_cast<__nv_bfloat16*>(out) + at) = v;
-        break;
+    const std::int64_t at = g.result.out_offset(rb, rq, head) + lane * 4;
+    CUTE_UNROLL
+    for (int c = 0; c < kLaneChunks; ++c) {
+      if (lane + 32 * c >= kChunks) break;
+      const float4 v = make_float4(o[c].x * inv, o[c].y * inv, o[c].z * inv, o[c].w * inv);
+      switch (g.result_type) {
+        case ElementType::f32: store_quad(static_cast<float*>(g.result.out) + at + 128 * c, v); break;
+        case ElementType::f16: store_quad(static_cast<__half*>(g.result.out) + at + 128 * c, v); break;
+        case ElementType::bf16: store_quad(static_cast<__nv_bfloat16*>(g.result.out) + at + 128 * c, v); break;
       }
     }
-    if (chunk == 0 && g.result.lse) g.result.lse[g.result.lse_offset(rb, rq, head)] = acc.lse();
+    if (lane == 0 && g.result.lse) g.result.lse[g.result.lse_offset(rb, rq, head)] = acc.lse();
   }
   timeline_mark(timeline, kSplitMerged);
 }
