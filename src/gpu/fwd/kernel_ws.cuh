@@ -113,13 +113,14 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   // launch, launch.cuh): nothing the preparation writes is read before this wait (elsewhere a
   // no-op), so the CTAs' placement and barrier setup overlap it. With rows in index order (no
   // sort) the tile warp places its first tile and loads its Q first, and waits then (hand_out).
-  const bool q_before_routes = T::kDecode && a.row_order == nullptr;
   // Routes made from the sequence lengths (decode.cuh DecodeGeometry::routes_from_lengths): only
   // with the positional mask, so never in the kernels that read token tensors. No route
   // preparation ran, so nothing can overflow and the flag is not read (a dependent load less
-  // before the first tile).
+  // before the first tile), and nothing is waited for: the first tile's routes go to the loader
+  // before its Q is loaded.
   constexpr bool kFromLengths = T::kDecode && !kTokenTensors;
   const bool may_overflow = !(kFromLengths && desc.decode.routes_from_lengths);
+  const bool q_before_routes = T::kDecode && a.row_order == nullptr && may_overflow;
   if (!(q_before_routes && role == 0 && tid / 32 == C::kTileWarp)) {
     if constexpr (T::kDecode) asm volatile("griddepcontrol.wait;\n" ::: "memory");
     if (may_overflow && *overflow != 0) return;  // an overflowing run writes nothing (Plan::check reports it)
