@@ -39,8 +39,10 @@ constexpr int kTimelineTiles = 64;  // tiles recorded per CTA
 constexpr std::size_t kTimelineRegionWords = static_cast<std::size_t>(kTimelineCtas) * kTimelineSlots * 2;
 
 #if BSATTN_GPU_TIMELINE
+// Blocks past kTimelineCtas (route preparation of many rows) are not recorded: they would write
+// into the next region.
 __device__ __forceinline__ void timeline_mark(std::uint64_t* buffer, int event) {
-  if (!buffer) return;
+  if (!buffer || blockIdx.x >= kTimelineCtas) return;
   std::uint64_t ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
   std::uint64_t* at = buffer + (static_cast<std::size_t>(blockIdx.x) * kTimelineSlots + event) * 2;
@@ -49,7 +51,7 @@ __device__ __forceinline__ void timeline_mark(std::uint64_t* buffer, int event) 
 }
 // Tile t of this CTA: its start (`end` false) or its end with its work item and route count.
 __device__ __forceinline__ void timeline_tile(std::uint64_t* buffer, int t, bool end, int item = 0, int count = 0) {
-  if (!buffer || t >= kTimelineTiles) return;
+  if (!buffer || t >= kTimelineTiles || blockIdx.x >= kTimelineCtas) return;
   std::uint64_t ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
   std::uint64_t* at = buffer + 2 * kTimelineRegionWords + (static_cast<std::size_t>(blockIdx.x) * kTimelineTiles + t) * 3;
