@@ -67,9 +67,9 @@ struct OutputShift {
 // Split-KV combined in the kernel: once a warpgroup has stored its split's partial O and LSE, it
 // counts its arrival for the (route row, head group) `job.unit`; the last of the kv_splits to
 // arrive merges every split's rows into the result (merge::Accumulator, the rules of
-// merge_states, in batches of splits) and sets the count back to zero for the next launch. This replaced a
-// merge_states launch after the kernel: 7 us of a 42 us B = 1 decode step on the H200, mostly its
-// launch and four tiny blocks' dependent loads. The partials are read through L2 (ld.global.cg):
+// merge_states, in batches of splits) and sets the count back to zero for the next launch. This
+// replaced a merge_states launch after the kernel: 7 us of a 42 us B = 1 decode step on the H200,
+// mostly its launch and four tiny blocks' dependent loads. The partials are read through L2 (ld.global.cg):
 // another multiprocessor wrote them, and this one's L1 may hold lines of an earlier launch.
 // Rows past the sequence end are neither partial nor merged.
 // It runs after the CTA's tile loop, from the job the epilogue left in shared memory: inside the
