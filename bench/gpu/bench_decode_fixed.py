@@ -6,9 +6,11 @@ k = 0 row reads no K/V at all: its time is what a step costs before any byte of 
 bsattn's normal Plan through the shim (bsattn_bench_plan_kv_lists / run_kv_lists); GPU time of
 one step by CUDA events with the queue filled 1 ms ahead (benchlib.timed), median of 30; at
 L = 8192 the inputs rotate over 8 copies (the 34 MB of a step would otherwise stay in L2).
-BSATTN_GPU_DECODE_SPLITS=N (read once by the library) forces the splits.
+BSATTN_GPU_DECODE_SPLITS=N (read once by the library) forces the splits;
+BSATTN_GPU_DECODE_CLUSTER=0 merges the splits through the workspace rather than in clusters.
+A second argument lists the lengths (default 8192,131072); below 16384 the inputs rotate.
 
-  python3 bench/gpu/bench_decode_fixed.py build-gpu/bench/gpu/libbsattn_bench.so
+  python3 bench/gpu/bench_decode_fixed.py build-gpu/bench/gpu/libbsattn_bench.so [2048,4096,8192]
 """
 import os
 import sys
@@ -20,11 +22,12 @@ import benchlib  # noqa: E402
 
 LIB = benchlib.load(sys.argv[1], need=("bsattn_bench_plan_kv_lists", "bsattn_bench_run_kv_lists"))
 HQ, HKV, D, BK = 32, 8, 128, 128
-for L in (8192, 131072):
+LENGTHS = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "8192,131072").split(",")]
+for L in LENGTHS:
     nkb = L // BK
     sets = [(torch.randn(1, 1, HQ, D, dtype=torch.bfloat16, device="cuda"),
              torch.randn(1, L, HKV, D, dtype=torch.bfloat16, device="cuda"),
-             torch.randn(1, L, HKV, D, dtype=torch.bfloat16, device="cuda")) for _ in range(8 if L == 8192 else 1)]
+             torch.randn(1, L, HKV, D, dtype=torch.bfloat16, device="cuda")) for _ in range(8 if L < 16384 else 1)]
     for k in (None, 0, 1, 4, 16, nkb):
         sparse = k is not None
         plan = benchlib.Plan(LIB, LIB.bsattn_bench_plan_kv_lists(1, 1, L, HQ, HKV, D, 0, 0, 0, 0, int(sparse), BK, 1, HKV))
@@ -40,5 +43,6 @@ for L in (8192, 131072):
         plan.check()
         ms = benchlib.timed(calls, 30, queue_us=1000)
         kept = nkb if k is None else k
-        print(f"L={L} kept={'dense' if k is None else k} splits_env={os.environ.get('BSATTN_GPU_DECODE_SPLITS', '-')}: "
+        print(f"L={L} kept={'dense' if k is None else k} splits_env={os.environ.get('BSATTN_GPU_DECODE_SPLITS', '-')} "
+              f"cluster_env={os.environ.get('BSATTN_GPU_DECODE_CLUSTER', '-')}: "
               f"{ms * 1e3:.1f} us, {2 * kept * BK * HKV * D * 2 / ms / 1e9:.2f} TB/s", flush=True)

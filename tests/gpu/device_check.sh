@@ -57,6 +57,9 @@ if [[ " $STEPS " == *" variants "* ]]; then
   echo "== variants"
   BSATTN_GPU_NO_TMA=1 timeout 120 "$T" --gtest_filter="GpuForward.*:GpuPaged.*" > "$OUT/gpu_tests_no_tma.log" 2>&1
   echo "tests without TMA rc=$?: $(grep -E '^\[  (PASSED|FAILED)  \]' "$OUT/gpu_tests_no_tma.log" | head -3 | tr '\n' ' ')"
+  # Split-KV decode merged through the workspace (where its clusters would fit, they merge in them).
+  BSATTN_GPU_DECODE_CLUSTER=0 timeout 120 "$T" --gtest_filter="GpuDecode.*" > "$OUT/gpu_tests_no_cluster.log" 2>&1
+  echo "decode tests without clusters rc=$?: $(grep -E '^\[  (PASSED|FAILED)  \]' "$OUT/gpu_tests_no_cluster.log" | head -3 | tr '\n' ' ')"
   for v in BSATTN_GPU_NO_TMA; do
     env $v=1 PYTHONUNBUFFERED=1 timeout 150 python3 bench/gpu/bench_forward.py --lib "$LIB" --peers none \
       --only ${VARIANT_ONLY:-S32768} 2>&1 | grep -E "^S[0-9]" | sed "s/^/$v=1 /"

@@ -208,6 +208,62 @@ TEST(GpuDecode, ManySplitsMergeInBatches) {
   EXPECT_GT(non_finite, 0u) << "no poisoned element reached a row";
 }
 
+// Splits that merge in a cluster (decode.cuh merge_cluster_splits: 2 to 16 splits whose clusters
+// all fit at once; on the H200 up to 7 clusters of 16): one sequence of 2 head groups, so every
+// split count up to 16 fits. Every row count a tile can hold (1 query of 4 packed heads: 4 rows;
+// 16 queries: 64 rows), D 64 / 128 / 256 (D 256 fills the V stages with the fp32 partial rows),
+// f32 and 16-bit outputs, and a NaN in one V element, which must reach the rows that read it
+// through the merge as in the CPU engine. BSATTN_GPU_DECODE_CLUSTER=0 runs the same cases through
+// the workspace merge (tests/gpu/device_check.sh, variants).
+TEST(GpuDecode, SplitsMergeInClusters) {
+  REQUIRE_SM90();
+  std::mt19937_64 rng(1301);
+  std::uint64_t seed = 13010;
+  std::size_t non_finite = 0;
+  for (int rep = 0; rep < 8; ++rep) {
+    const int shape = rep % 4;  // 0 bf16 D 128; 1 f16 D 64, f32 out; 2 bf16 D 256; 3 bf16 D 128, 16 queries
+    const bool poisoned = rep >= 6;
+    CaseSpec spec;
+    spec.format = rep % 2 ? Format::block_lists : Format::all_blocks;
+    spec.density = 0.9;
+    spec.hq = 8;
+    spec.hkv = 2;
+    spec.sparsity_heads = 2;
+    spec.max_seqlen_q = shape == 3 ? 16 : 1;
+    spec.exact_seqlen_q = shape == 3;
+    spec.batch = 1;
+    spec.mask = rep % 3 == 0 ? 1 : 0;
+    spec.dtype = shape == 1 ? DType::f16 : DType::bf16;
+    spec.out_f32 = shape == 1;
+    spec.head_dim = shape == 1 ? 64 : shape == 2 ? 256 : 128;
+    spec.bq = spec.bk = shape == 1 ? 64 : 128;
+    if (shape == 2) spec.bk = 64;
+    // Keys: 9 to 63 KV tiles (2 to 15 splits of at least 4 routes each).
+    spec.max_seqlen = std::uniform_int_distribution<int>(2300, shape == 1 || shape == 2 ? 4000 : 8100)(rng);
+    spec.seed = seed++;
+    auto c = make_case(spec);
+    if (poisoned) {  // one element of KV head 1's V
+      const std::int64_t token = std::uniform_int_distribution<std::int64_t>(0, c->seqlen_kv[0] - 1)(rng);
+      const int d = std::uniform_int_distribution<int>(0, spec.head_dim - 1)(rng);
+      c->v->as<std::uint16_t>()[(token * spec.hkv + 1) * spec.head_dim + d] = to_bits(NAN, spec.dtype);
+      c->v->upload();
+    }
+    SCOPED_TRACE(c->name + " rep " + std::to_string(rep));
+    c->poison_outputs();
+    Plan plan(c->problem);
+    EXPECT_GE(plan.tiles().kv_splits, 2);
+    EXPECT_LE(plan.tiles().kv_splits, 16);
+    run_gpu(*c);
+    const Result gpu = download(*c), ref = run_cpu(*c);
+    if (!poisoned) {
+      expect_close(*c, gpu, ref);
+      continue;
+    }
+    non_finite += expect_same_non_finite(*c, gpu, ref);
+  }
+  EXPECT_GT(non_finite, 0u) << "no poisoned element reached a row";
+}
+
 // A decode step whose routes overflow the workspace writes nothing, split-KV or not: its tile
 // warp loads the first tile's Q before route preparation has finished (kernel_ws.cuh) and leaves
 // once Q has landed; the next runs on the same plan overflow again (the split arrival counts were

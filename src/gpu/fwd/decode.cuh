@@ -32,6 +32,10 @@ struct DecodeGeometry {
   ElementType result_type = ElementType::bf16;
   std::int32_t* split_arrivals = nullptr;  // with splits: per (route row, head group), zero between launches
   int routes_from_lengths = 0;  // DecodeShape::routes_from_lengths
+  // With splits: the kv_splits CTAs of a (route row, head group) form a cluster and merge through
+  // distributed shared memory (merge_cluster_splits); else through the workspace (merge_splits).
+  // Chosen at launch (launch.cuh) where such clusters all fit on the device at once.
+  int cluster_merge = 0;
 };
 
 inline DecodeGeometry decode_geometry(const DecodeShape& s) {
@@ -64,21 +68,22 @@ struct OutputShift {
   std::int64_t out = 0, lse = 0;
 };
 
-// Split-KV combined in the kernel: once a warpgroup has stored its split's partial O and LSE, it
-// counts its arrival for the (route row, head group) `job.unit`; the last of the kv_splits to
-// arrive merges every split's rows into the result (merge::Accumulator, the rules of
-// merge_states, in batches of splits) and sets the count back to zero for the next launch. This
-// replaced a merge_states launch after the kernel: 7 us of a 42 us B = 1 decode step on the H200,
-// mostly its launch and four tiny blocks' dependent loads. The partials are read through L2 (ld.global.cg):
-// another multiprocessor wrote them, and this one's L1 may hold lines of an earlier launch.
+// Split-KV combined in the kernel, in one of two ways (DecodeGeometry::cluster_merge). Through the
+// workspace (merge_splits): once a warpgroup has stored its split's partial O and LSE, it counts
+// its arrival for the (route row, head group) `job.unit`; the last of the kv_splits to arrive
+// merges every split's rows into the result and sets the count back to zero for the next launch.
+// In a cluster (merge_cluster_splits): the splits keep their rows in shared memory and merge them
+// together after a cluster barrier. Both merge by merge::Accumulator, the rules of merge_states,
+// in batches of splits. This replaced a merge_states launch after the kernel: 7 us of a 42 us
+// B = 1 decode step on the H200, mostly its launch and four tiny blocks' dependent loads.
 // Rows past the sequence end are neither partial nor merged.
 // It runs after the CTA's tile loop, from the job the epilogue left in shared memory: inside the
 // loop the next tile's first S GEMM is in flight during the epilogue and the merge's registers on
 // top of it spilled (146-224 bytes). A split-KV launch has one CTA per work item, so a CTA has at
 // most one job.
 struct SplitMerge {
-  int pending;  // the epilogue stored a split's partial result
-  int last;     // its arrival was the last one: this warpgroup merges
+  int pending;  // the epilogue stored (or kept) a split's partial result
+  int last;     // workspace merge: its arrival was the last one, this warpgroup merges
   int unit, b, head, q_begin;
   route::SeqInfo si;
 };
@@ -104,55 +109,34 @@ __device__ __forceinline__ void store_quad(Out* dst, float4 v) {
   }
 }
 
+// One merged row: lane j holds the LSE of split j of a batch of kBatch (the batch's maximum and
+// weight sum by warp reductions) and 4 columns of the row per 128 (O's parts in a batch loaded
+// together). Straight-line code and one exponential per lane, as the merging CTAs run it cold:
+// one (row, 4 columns) per thread with an online merge one split at a time was 1 350
+// instructions and 3 us after the last arrival (decode_timeline.py). `Parts` reads split s's
+// partial row: lse(s), and o4(s, c), the lane's 4 columns of chunk c (columns lane * 4 + 128 c).
 template <int kHeadDim>
-__device__ __forceinline__ void merge_splits(const AttentionParams& a, const DecodeGeometry& g, SplitMerge& job,
-                                             int tokens, int wg_tid, int barrier_id,
-                                             std::uint64_t* timeline = nullptr) {
-  barrier_sync(barrier_id, 128);  // the warpgroup's partial stores, before thread 0's release
-  if (!job.pending) return;
-  if (wg_tid == 0) {
-    const bool is_last = arrive_acq_rel(&g.split_arrivals[job.unit]) == g.kv_splits - 1;
-    if (is_last) g.split_arrivals[job.unit] = 0;  // the next launch (ordered by the launch boundary)
-    job.last = is_last;
-  }
-  barrier_sync(barrier_id, 128);
-  timeline_mark(timeline, kSplitArrived);
-  if (!job.last) return;
-  const route::SeqInfo si = job.si;
-  const int b = job.b, h = job.head, q_begin = job.q_begin;
-  // Rows of the tile inside the sequence: `rows_per_head` tokens of each of the packed heads.
-  const int rows_per_head = min(tokens, si.seqlen_q - q_begin), rows = rows_per_head * (64 / tokens);
-  // A warp merges a row: lane j holds the LSE of split j of a batch of kBatch (the batch's
-  // maximum and weight sum by warp reductions) and 4 columns of the row per 128 (O's parts in a
-  // batch loaded together). Straight-line code and one exponential per lane, as the 8 merging
-  // CTAs run it cold: one (row, 4 columns) per thread with an online merge one split at a time
-  // was 1 350 instructions and 3 us after the last arrival (decode_timeline.py).
-  constexpr int kBatch = 16, kChunks = kHeadDim / 4, kLaneChunks = (kChunks + 31) / 32;
-  const int lane = wg_tid % 32;
-  const float* parts = static_cast<const float*>(a.out);
-  const bool varlen = a.route.varlen_q;
-  using merge::Accumulator;
-  for (int row = wg_tid / 32; row < rows; row += 4) {
-    const int q = q_begin + row % rows_per_head, head = h + row / rows_per_head;
-    const float* lse_at = a.lse + a.lse_offset(b, si, q, head);
-    const float* o_at = parts + a.out_offset(b, si, q, head) + lane * 4;
-    Accumulator acc;
-    float4 o[kLaneChunks];
+struct MergedRow {
+  static constexpr int kChunks = kHeadDim / 4, kLaneChunks = (kChunks + 31) / 32;
+  merge::Accumulator acc;
+  float4 o[kLaneChunks];
+
+  template <class Parts>
+  __device__ __forceinline__ MergedRow(const Parts& parts, int splits, int lane) {
+    constexpr int kBatch = 16;
+    using merge::Accumulator;
     CUTE_UNROLL
     for (int c = 0; c < kLaneChunks; ++c) o[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < g.kv_splits; s0 += kBatch) {
-      const int n = min(kBatch, g.kv_splits - s0);
+    for (int s0 = 0; s0 < splits; s0 += kBatch) {
+      const int n = min(kBatch, splits - s0);
       float4 x[kBatch][kLaneChunks];
-      const float* part = o_at + s0 * g.out_split_step;
       CUTE_UNROLL
-      for (int j = 0; j < kBatch; ++j, part += g.out_split_step) {
+      for (int j = 0; j < kBatch; ++j) {
         CUTE_UNROLL
-        for (int c = 0; c < kLaneChunks; ++c) {
-          const bool in = j < n && lane + 32 * c < kChunks;
-          x[j][c] = in ? __ldcg(reinterpret_cast<const float4*>(part + 128 * c)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+        for (int c = 0; c < kLaneChunks; ++c)
+          x[j][c] = j < n && lane + 32 * c < kChunks ? parts.o4(s0 + j, c) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      const float lse = lane < n ? __ldcg(lse_at + (s0 + lane) * g.lse_split_step) : -INFINITY;
+      const float lse = lane < n ? parts.lse(s0 + lane) : -INFINITY;
       float m = lse;
       CUTE_UNROLL
       for (int d = 16; d > 0; d /= 2) m = Accumulator::max_of(m, __shfl_xor_sync(0xffffffffu, m, d));
@@ -175,8 +159,12 @@ __device__ __forceinline__ void merge_splits(const AttentionParams& a, const Dec
                              fmaf(wj, x[j][c].w, o[c].w));
       }
     }
+  }
+
+  // Into the result (token rq of batch rb, `head`; rb = 0 and rq the packed token when varlen).
+  __device__ __forceinline__ void store(const DecodeGeometry& g, std::int64_t rb, std::int64_t rq, int head,
+                                        int lane) const {
     const float inv = acc.inv_sum();
-    const std::int64_t rb = varlen ? 0 : b, rq = varlen ? si.q_base + q : q;
     const std::int64_t at = g.result.out_offset(rb, rq, head) + lane * 4;
     CUTE_UNROLL
     for (int c = 0; c < kLaneChunks; ++c) {
@@ -190,7 +178,136 @@ __device__ __forceinline__ void merge_splits(const AttentionParams& a, const Dec
     }
     if (lane == 0 && g.result.lse) g.result.lse[g.result.lse_offset(rb, rq, head)] = acc.lse();
   }
+};
+
+// The splits' partial rows in the plan's fp32 workspace (laid out as the outputs, split after
+// split), read through L2: another multiprocessor wrote them, and this one's L1 may hold lines of
+// an earlier launch.
+struct WorkspaceParts {
+  const float* o_at;    // split 0's row, at the lane's first column
+  const float* lse_at;  // split 0's LSE of the row
+  std::int64_t out_step, lse_step;
+  __device__ __forceinline__ float4 o4(int s, int c) const {
+    return __ldcg(reinterpret_cast<const float4*>(o_at + s * out_step + 128 * c));
+  }
+  __device__ __forceinline__ float lse(int s) const { return __ldcg(lse_at + s * lse_step); }
+};
+
+template <int kHeadDim>
+__device__ __forceinline__ void merge_splits(const AttentionParams& a, const DecodeGeometry& g, SplitMerge& job,
+                                             int tokens, int wg_tid, int barrier_id,
+                                             std::uint64_t* timeline = nullptr) {
+  barrier_sync(barrier_id, 128);  // the warpgroup's partial stores, before thread 0's release
+  if (!job.pending) return;
+  if (wg_tid == 0) {
+    const bool is_last = arrive_acq_rel(&g.split_arrivals[job.unit]) == g.kv_splits - 1;
+    if (is_last) g.split_arrivals[job.unit] = 0;  // the next launch (ordered by the launch boundary)
+    job.last = is_last;
+  }
+  barrier_sync(barrier_id, 128);
+  timeline_mark(timeline, kSplitArrived);
+  if (!job.last) return;
+  const route::SeqInfo si = job.si;
+  const int b = job.b, h = job.head, q_begin = job.q_begin;
+  // Rows of the tile inside the sequence: `rows_per_head` tokens of each of the packed heads.
+  const int rows_per_head = min(tokens, si.seqlen_q - q_begin), rows = rows_per_head * (64 / tokens);
+  const int lane = wg_tid % 32;
+  const bool varlen = a.route.varlen_q;
+  for (int row = wg_tid / 32; row < rows; row += 4) {  // a warp per row
+    const int q = q_begin + row % rows_per_head, head = h + row / rows_per_head;
+    const WorkspaceParts parts{static_cast<const float*>(a.out) + a.out_offset(b, si, q, head) + lane * 4,
+                               a.lse + a.lse_offset(b, si, q, head), g.out_split_step, g.lse_split_step};
+    const MergedRow<kHeadDim> merged(parts, g.kv_splits, lane);
+    merged.store(g, varlen ? 0 : b, varlen ? si.q_base + q : q, head, lane);
+  }
   timeline_mark(timeline, kSplitMerged);
+}
+
+// ---------------------------------------------------------------- merge in a cluster
+// With `cluster_merge` the kv_splits CTAs of a (route row, head group) are one cluster (CTA rank
+// = split) and each keeps its partial rows in its own shared memory: O in fp32 in its V stages
+// (free once the tile's last PV has completed; a split-KV CTA has one tile) as [64 tile rows]
+// [kHeadDim] with each row's 32-byte groups permuted by (row % 8) (the fragment writes of 8 rows
+// and the merge's row reads are free of bank conflicts), LSE in `lse[64]`. After a cluster
+// barrier the CTAs' warps share the merged rows and read the splits' rows from their peers
+// (ld.shared::cluster); a second barrier keeps every CTA's shared memory until its peers have
+// read it. No workspace store, arrival atomic or load through L2: the 1.2 + 1.0 + 1.65 us tail
+// of the workspace merge (decode_timeline.py, 2026-12-02).
+__device__ __forceinline__ int partial_offset(int row, int col) {  // in floats; col % 4 == 0 for a float4
+  return ((col >> 3) ^ (row & 7)) << 3 | (col & 7);
+}
+
+// One warpgroup's normalised partial O (rowcol view `o`, coordinates `c`) and LSE of the rows
+// inside the sequence, into this CTA's buffers.
+template <int kHeadDim, class TO, class TC, int kRows>
+__device__ __forceinline__ void keep_partial(const TO& o, const TC& c, const float (&lse)[kRows], float* buffer,
+                                             float* lse_buffer, const route::SeqInfo& si, int q_begin,
+                                             TileRows<true> rows) {
+  CUTE_UNROLL
+  for (int i = 0; i < size<0>(o); ++i) {
+    const int r = get<0>(c(i, 0));
+    if (q_begin + rows.token(r) >= si.seqlen_q) continue;
+    float* dst = buffer + r * kHeadDim;
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(o); j += 2)
+      *reinterpret_cast<float2*>(dst + partial_offset(r, get<1>(c(i, j)))) = make_float2(o(i, j), o(i, j + 1));
+    if ((threadIdx.x % 4) == 0) lse_buffer[r] = lse[i];
+  }
+}
+
+__device__ __forceinline__ unsigned peer_address(const void* local, int rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(remote)
+               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(local))), "r"(rank));
+  return remote;
+}
+
+// The splits' rows in their CTAs' shared memory (split s: cluster rank s).
+struct ClusterParts {
+  const float* row;  // tile row `r` of this CTA's buffer (at the same offset in every CTA)
+  int r;
+  const float* lse_at;
+  int lane;
+  __device__ __forceinline__ float4 o4(int s, int c) const {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(peer_address(row + partial_offset(r, lane * 4 + 128 * c), s)));
+    return v;
+  }
+  __device__ __forceinline__ float lse(int s) const {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(peer_address(lse_at, s)));
+    return v;
+  }
+};
+
+template <int kHeadDim>
+__device__ __forceinline__ void merge_cluster_splits(const AttentionParams& a, const DecodeGeometry& g,
+                                                     const SplitMerge& job, const float* buffer,
+                                                     const float* lse_buffer, int tokens, int wg_tid,
+                                                     std::uint64_t* timeline = nullptr) {
+  cluster_sync_threads();  // every split's partial rows are in its CTA's shared memory
+  timeline_mark(timeline, kSplitArrived);
+  if (job.pending) {
+    const route::SeqInfo si = job.si;
+    const int b = job.b, h = job.head, q_begin = job.q_begin;
+    const int rows_per_head = min(tokens, si.seqlen_q - q_begin), rows = rows_per_head * (64 / tokens);
+    const int lane = wg_tid % 32, warps = 4 * g.kv_splits;
+    const bool varlen = a.route.varlen_q;
+    // The cluster's warps take the rows in turn, so that the few rows of a step merge on several
+    // multiprocessors at once.
+    for (int k = static_cast<int>(cute::block_rank_in_cluster()) * 4 + wg_tid / 32; k < rows; k += warps) {
+      const int token = k % rows_per_head, packed = k / rows_per_head, r = packed * tokens + token;
+      const ClusterParts parts{buffer + r * kHeadDim, r, lse_buffer + r, lane};
+      const MergedRow<kHeadDim> merged(parts, g.kv_splits, lane);
+      const int q = q_begin + token;
+      merged.store(g, varlen ? 0 : b, varlen ? si.q_base + q : q, h + packed, lane);
+    }
+  }
+  timeline_mark(timeline, kSplitMerged);
+  cluster_sync_threads();  // the peers have read this CTA's rows
 }
 
 }  // namespace bsattn::gpu::fwd

@@ -51,6 +51,7 @@ struct WsConfig {
     PipelineBarriers<T::kStages, T::kWarpgroups> bars;
     Tile tile[2];  // work tiles handed from the tile warp to the loader and consumers (slot t % 2: tile t)
     SplitMerge split_merge;  // decode split-KV: the tile's merge job (merge_splits)
+    float split_lse[T::kDecode ? 64 : 1];  // decode split-KV in a cluster: the tile rows' LSE (merge_cluster_splits)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
 };
@@ -445,11 +446,17 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
         stage = reinterpret_cast<char*>(wg == 0 ? st.k + (last % kStages) * kBlockN * kHeadDim
                                                 : st.v + (last % kStages) * kBlockN * kHeadDim);
       }
-      // Thread 0's coordinates: what the epilogue may fold at compile time (epilogue.cuh).
-      Tensor tOcO0 = mma_pv.get_thread_slice(0).partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
-      Tensor co_rc0 = make_tensor(tOcO0.data(), acc_rowcol(tOcO0.layout()));
-      store_output<kHeadDim>(o_rc, co_rc, co_rc0, lse, stage, a, desc.tma_out ? &desc.o : nullptr, out_si, out_b, head,
-                             q_begin, tile_rows, shift, ltid, wg_barrier);
+      if (T::kDecode && desc.decode.cluster_merge) {
+        // The last PV has completed: the V stages are free (a split-KV CTA has one tile).
+        keep_partial<kHeadDim>(o_rc, co_rc, lse, reinterpret_cast<float*>(st.v), sm.split_lse, out_si, q_begin,
+                               TileRows<true>{desc.decode.tokens_log2});
+      } else {
+        // Thread 0's coordinates: what the epilogue may fold at compile time (epilogue.cuh).
+        Tensor tOcO0 = mma_pv.get_thread_slice(0).partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+        Tensor co_rc0 = make_tensor(tOcO0.data(), acc_rowcol(tOcO0.layout()));
+        store_output<kHeadDim>(o_rc, co_rc, co_rc0, lse, stage, a, desc.tma_out ? &desc.o : nullptr, out_si, out_b,
+                               head, q_begin, tile_rows, shift, ltid, wg_barrier);
+      }
       if (marker && t == 0) timeline_mark(desc.timeline, kConsumerStored);
       if constexpr (T::kDecode) {
         if (ltid == 0 && desc.decode.kv_splits > 1)
@@ -469,9 +476,15 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   }
   warpgroup_wait<0>();  // a discarded S GEMM after the last tile
   if constexpr (T::kDecode) {
-    if (desc.decode.kv_splits > 1)
-      merge_splits<kHeadDim>(a, desc.decode, sm.split_merge, TileRows<true>{desc.decode.tokens_log2}.tokens(),
-                             opaque_thread_index() % 128, wg_barrier, marker ? desc.timeline : nullptr);
+    static_assert(sizeof(st.v) >= 64 * kHeadDim * sizeof(float), "a split's partial O is kept in the V stages");
+    const int tokens = TileRows<true>{desc.decode.tokens_log2}.tokens();
+    if (desc.decode.cluster_merge)
+      merge_cluster_splits<kHeadDim>(a, desc.decode, sm.split_merge, reinterpret_cast<const float*>(st.v),
+                                     sm.split_lse, tokens, opaque_thread_index() % 128,
+                                     marker ? desc.timeline : nullptr);
+    else if (desc.decode.kv_splits > 1)
+      merge_splits<kHeadDim>(a, desc.decode, sm.split_merge, tokens, opaque_thread_index() % 128, wg_barrier,
+                             marker ? desc.timeline : nullptr);
   }
   bulk_store_wait<false>();  // O's bulk stores have completed before the CTA exits
   if (marker) timeline_mark(desc.timeline, kConsumerExit);

@@ -49,6 +49,37 @@ int resident_pairs(int device, int sms) {
   return pairs;
 }
 
+// Decode split-KV merged in clusters (decode.cuh merge_cluster_splits): a cluster holds the
+// kv_splits CTAs of a (route row, head group), up to 16 (above 8 a non-portable size, where the
+// device allows it). How many such clusters of kernel T fit on `device` at once, by cluster size:
+// a host-side occupancy query per size, made at plan time and kept per device. A launch merges
+// in clusters only when all of its clusters fit (they would otherwise run one after another).
+constexpr int kMaxClusterSplits = 16;
+template <class T>
+int resident_decode_clusters(int device, int splits) {
+  static std::atomic<int> known[kMaxDevices][kMaxClusterSplits + 1] = {};  // clusters + 1; 0: not queried
+  if (splits < 2 || splits > kMaxClusterSplits || device >= kMaxDevices) return 0;
+  const int cached = known[device][splits].load(std::memory_order_relaxed);
+  if (cached > 0) return cached - 1;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = splits;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(splits);
+  config.blockDim = dim3(WsConfig<T>::kThreads);
+  config.dynamicSmemBytes = WsConfig<T>::kSmemBytes;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, forward_kernel_ws<T, false>, &config) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: merge through the workspace
+    clusters = 0;
+  }
+  known[device][splits].store(clusters + 1, std::memory_order_relaxed);
+  return clusters;
+}
+
 // a == nullptr: only raises the kernel's shared-memory limit and, for a pair kernel, queries how
 // many pairs fit (plan time, outside any graph capture).
 // A pair-multicast kernel needs TMA: where the tensors cannot be mapped it returns
@@ -67,6 +98,13 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
       if (e != cudaSuccess) return e;
     }
     if constexpr (T::kPairMulticast) (void)resident_pairs<T>(device, sms);
+    if constexpr (T::kDecode) {
+      for (auto kernel : {forward_kernel_ws<T, false>, forward_kernel_ws<T, true>}) {
+        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+          cudaGetLastError();  // clusters of up to 8 only
+      }
+      for (int splits = 2; splits <= kMaxClusterSplits; ++splits) (void)resident_decode_clusters<T>(device, splits);
+    }
     return cudaSuccess;
   }
   auto kernel = a->route.doc_q || a->route.kv_valid ? forward_kernel_ws<T, true, kProxy>
@@ -75,6 +113,17 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};
   desc.decode = decode;
+  // Measurement switch (environment, read once): BSATTN_GPU_DECODE_CLUSTER=0 merges every split-KV
+  // launch through the workspace.
+  static const bool cluster_switch = [] {
+    const char* v = std::getenv("BSATTN_GPU_DECODE_CLUSTER");
+    return !(v && v[0] == '0');
+  }();
+  if constexpr (T::kDecode) {
+    const int units = items / std::max(1, decode.kv_splits);
+    desc.decode.cluster_merge =
+        cluster_switch && decode.kv_splits > 1 && resident_decode_clusters<T>(device, decode.kv_splits) >= units;
+  }
   desc.timeline = timeline_buffer();
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
   desc.tma = !no_tma && encode_maps<T>(*a, extents, desc) ? 1 : 0;
@@ -93,16 +142,19 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
     // for a decode step) still runs, and wait for it in the kernel (griddepcontrol.wait), so the
     // launch latency of a ~20 us step overlaps the preparation. Routes made from the lengths:
     // no preparation precedes the kernel, an ordinary launch.
-    cudaLaunchAttribute dependent{};
-    dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    dependent.val.programmaticStreamSerializationAllowed = decode.routes_from_lengths ? 0 : 1;
+    cudaLaunchAttribute attrs[2] = {};
+    attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[0].val.programmaticStreamSerializationAllowed = decode.routes_from_lengths ? 0 : 1;
+    attrs[1].id = cudaLaunchAttributeClusterDimension;  // the splits of an item: adjacent CTAs
+    attrs[1].val.clusterDim.x = desc.decode.cluster_merge ? decode.kv_splits : 1;
+    attrs[1].val.clusterDim.y = attrs[1].val.clusterDim.z = 1;
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(cta_per_tile ? items : std::min(items, sms));
     config.blockDim = dim3(C::kThreads);
     config.dynamicSmemBytes = C::kSmemBytes;
     config.stream = stream;
-    config.attrs = &dependent;
-    config.numAttrs = 1;
+    config.attrs = attrs;
+    config.numAttrs = desc.decode.cluster_merge ? 2 : 1;
     return cudaLaunchKernelEx(&config, kernel, *a, overflow, desc);
   } else {
     kernel<<<cta_per_tile ? items : std::min(items, sms), C::kThreads, C::kSmemBytes, stream>>>(*a, overflow, desc);
