@@ -8,9 +8,10 @@ one step by CUDA events with the queue filled 1 ms ahead (benchlib.timed), media
 L = 8192 the inputs rotate over 8 copies (the 34 MB of a step would otherwise stay in L2).
 BSATTN_GPU_DECODE_SPLITS=N (read once by the library) forces the splits;
 BSATTN_GPU_DECODE_CLUSTER=0 merges the splits through the workspace rather than in clusters.
-A second argument lists the lengths (default 8192,131072); below 16384 the inputs rotate.
+A second argument lists the lengths (default 8192,131072; below 16384 the inputs rotate), a third
+the KV block size (default 128; the sparse rows keep that many blocks of it).
 
-  python3 bench/gpu/bench_decode_fixed.py build-gpu/bench/gpu/libbsattn_bench.so [2048,4096,8192]
+  python3 bench/gpu/bench_decode_fixed.py build-gpu/bench/gpu/libbsattn_bench.so [2048,4096,8192] [64]
 """
 import os
 import sys
@@ -21,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
 LIB = benchlib.load(sys.argv[1], need=("bsattn_bench_plan_kv_lists", "bsattn_bench_run_kv_lists"))
-HQ, HKV, D, BK = 32, 8, 128, 128
+HQ, HKV, D = 32, 8, 128
+BK = int(sys.argv[3]) if len(sys.argv) > 3 else 128
 LENGTHS = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "8192,131072").split(",")]
 for L in LENGTHS:
     nkb = L // BK
@@ -43,6 +45,6 @@ for L in LENGTHS:
         plan.check()
         ms = benchlib.timed(calls, 30, queue_us=1000)
         kept = nkb if k is None else k
-        print(f"L={L} kept={'dense' if k is None else k} splits_env={os.environ.get('BSATTN_GPU_DECODE_SPLITS', '-')} "
+        print(f"L={L} block={BK} kept={'dense' if k is None else k} splits_env={os.environ.get('BSATTN_GPU_DECODE_SPLITS', '-')} "
               f"cluster_env={os.environ.get('BSATTN_GPU_DECODE_CLUSTER', '-')}: "
               f"{ms * 1e3:.1f} us, {2 * kept * BK * HKV * D * 2 / ms / 1e9:.2f} TB/s", flush=True)
