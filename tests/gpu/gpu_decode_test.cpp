@@ -55,6 +55,28 @@ void run_gpu(Case& c) {
   CUDA_OK(cudaDeviceSynchronize());
 }
 
+// One element of KV head `head` of `kv` (the case's K or V, batch 1 or varlen: [tokens, Hkv, D]) at
+// a random token of sequence 0 set to `value`.
+void poison_kv_element(Case& c, Buffer* kv, int head, float value, std::mt19937_64& rng) {
+  const Problem& p = c.problem;
+  const std::int64_t token = std::uniform_int_distribution<std::int64_t>(0, c.seqlen_kv[0] - 1)(rng);
+  const int d = std::uniform_int_distribution<int>(0, p.head_dim - 1)(rng);
+  kv->as<std::uint16_t>()[(token * p.heads_kv + head) * p.head_dim + d] = to_bits(value, p.dtype);
+  kv->upload();
+}
+
+// Runs a planned split-KV case on the GPU against the CPU engine: every element close, or with a
+// poisoned input the same non-finite rows (returned: how many non-finite elements it compared).
+std::size_t run_and_compare(Case& c, bool poisoned) {
+  run_gpu(c);
+  const Result gpu = download(c), ref = run_cpu(c);
+  if (!poisoned) {
+    expect_close(c, gpu, ref);
+    return 0;
+  }
+  return expect_same_non_finite(c, gpu, ref);
+}
+
 struct DecodeSweep {
   Format format;
   bool varlen;
@@ -185,25 +207,13 @@ TEST(GpuDecode, ManySplitsMergeInBatches) {
     spec.max_seqlen = shape == 0 ? 60000 : 30000;
     spec.seed = seed++;
     auto c = make_case(spec);
-    if (poisoned) {  // one element of KV head 0 at a random token
-      const float value = rep == 4 ? INFINITY : NAN;
-      const std::int64_t token = std::uniform_int_distribution<std::int64_t>(0, c->seqlen_kv[0] - 1)(rng);
-      const int d = std::uniform_int_distribution<int>(0, spec.head_dim - 1)(rng);
-      c->k->as<std::uint16_t>()[(token * spec.hkv + 0) * spec.head_dim + d] = to_bits(value, spec.dtype);
-      c->k->upload();
-    }
+    if (poisoned) poison_kv_element(*c, c->k, 0, rep == 4 ? INFINITY : NAN, rng);
     SCOPED_TRACE(c->name + " rep " + std::to_string(rep));
     c->poison_outputs();
     Plan plan(c->problem);
     expect_decode_plan(plan);
     EXPECT_GT(plan.tiles().kv_splits, 16) << "one batch of splits only";
-    run_gpu(*c);
-    const Result gpu = download(*c), ref = run_cpu(*c);
-    if (!poisoned) {
-      expect_close(*c, gpu, ref);
-      continue;
-    }
-    non_finite += expect_same_non_finite(*c, gpu, ref);
+    non_finite += run_and_compare(*c, poisoned);
   }
   EXPECT_GT(non_finite, 0u) << "no poisoned element reached a row";
 }
@@ -242,24 +252,13 @@ TEST(GpuDecode, SplitsMergeInClusters) {
     spec.max_seqlen = std::uniform_int_distribution<int>(2300, shape == 1 || shape == 2 ? 4000 : 8100)(rng);
     spec.seed = seed++;
     auto c = make_case(spec);
-    if (poisoned) {  // one element of KV head 1's V
-      const std::int64_t token = std::uniform_int_distribution<std::int64_t>(0, c->seqlen_kv[0] - 1)(rng);
-      const int d = std::uniform_int_distribution<int>(0, spec.head_dim - 1)(rng);
-      c->v->as<std::uint16_t>()[(token * spec.hkv + 1) * spec.head_dim + d] = to_bits(NAN, spec.dtype);
-      c->v->upload();
-    }
+    if (poisoned) poison_kv_element(*c, c->v, 1, NAN, rng);
     SCOPED_TRACE(c->name + " rep " + std::to_string(rep));
     c->poison_outputs();
     Plan plan(c->problem);
     EXPECT_GE(plan.tiles().kv_splits, 2);
     EXPECT_LE(plan.tiles().kv_splits, 16);
-    run_gpu(*c);
-    const Result gpu = download(*c), ref = run_cpu(*c);
-    if (!poisoned) {
-      expect_close(*c, gpu, ref);
-      continue;
-    }
-    non_finite += expect_same_non_finite(*c, gpu, ref);
+    non_finite += run_and_compare(*c, poisoned);
   }
   EXPECT_GT(non_finite, 0u) << "no poisoned element reached a row";
 }
