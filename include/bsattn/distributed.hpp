@@ -1,0 +1,91 @@
+// Context parallelism (issue 15): block-sparse attention over a sequence sharded across ranks,
+// the C++ counterpart of Python's bsattn.distributed (docs/PYTHON.md).
+//
+// The global sequence of S tokens is cut into chunks of whole Q and KV blocks: Layout::contiguous
+// gives rank r chunk r of `world`; Layout::zigzag cuts 2 * world chunks and gives rank r chunks r
+// and 2 * world - 1 - r, in that order in its tensors (balanced causal work). A rank holds its
+// chunks' Q, K and V and the block pattern of its own query rows over the whole key sequence. The
+// pattern says which key chunks its rows use: the ranks agree on that (an all-gather of small
+// lists), each rank sends its chunks only to the ranks that use them, attends every used key chunk
+// with the single-process Plan (a causal mask only on its own diagonal chunk: with whole chunks a
+// key chunk is in the past, on the diagonal or in the future of a query chunk) and merges the
+// partial results by LSE (merge_states). Output and LSE are this rank's rows of the single-process
+// call over the whole sequence; rows that attend nothing get O = 0, LSE = -inf.
+//
+// This entry runs on the CPU engine (Device::cpu tensors); the ranks talk through a Transport,
+// e.g. LocalGroup's threads of one process. On GPUs, use Python's bsattn.distributed (over
+// torch.distributed with NCCL); a C++ NCCL transport is not written yet.
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "bsattn/problem.hpp"
+
+namespace bsattn::distributed {
+
+// How a rank talks to the others. Every call is collective: all ranks make it, in the same order.
+class Transport {
+ public:
+  struct Send {
+    int peer;
+    const void* data;
+    std::size_t bytes;
+  };
+  struct Receive {
+    int peer;
+    void* data;
+    std::size_t bytes;
+  };
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int world() const = 0;
+  // Every rank's `mine` (a short list), in rank order.
+  virtual std::vector<std::vector<int>> all_gather(const std::vector<int>& mine) = 0;
+  // Posts every send and receive and returns once all have completed. The messages from one rank
+  // to another are matched in the order both post them.
+  virtual void exchange(const std::vector<Send>& sends, const std::vector<Receive>& receives) = 0;
+};
+
+// `world` ranks that are threads of one process: transport(r) is rank r's (host memory; each
+// transport is used by one thread at a time). Messages are copied when sent.
+class LocalGroup {
+ public:
+  explicit LocalGroup(int world);
+  ~LocalGroup();
+  std::unique_ptr<Transport> transport(int rank);
+  struct State;  // the mailboxes, shared with the transports (defined in the library)
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+enum class Layout { contiguous, zigzag };
+
+struct Sharding {
+  Layout layout = Layout::contiguous;
+  bool causal = false;  // the causal mask of the whole sequence
+};
+
+// What one call moved and computed, for this rank.
+struct Stats {
+  int chunks_received = 0;
+  std::size_t bytes_received = 0;  // K and V of the received chunks
+  std::size_t bytes_all_gather = 0;  // K and V an all-gather of every chunk would have brought
+  int pairs_attended = 0;  // (query chunk, key chunk) pairs run
+};
+
+// This rank's rows. `local` describes them as a single-process problem over the rank's tokens:
+// batch, heads, head_dim, dtypes, block sizes, scale, validate, num_threads (max_seqlen_q and
+// max_seqlen_kv: the rank's token count; layouts batched and contiguous; no mask, proxy, tiles);
+// format all_blocks (every block) or bitmask, whose sparsity_batch / sparsity_heads give
+// `block_mask`'s Bs and Hs. q [B, S_local, Hq, D], k and v [B, S_local, Hkv, D]; block_mask uint8
+// [Bs, Hs, S_local / Bq, S / Bk] (this rank's query blocks in its local order x the global key
+// blocks; nonzero keeps a block), undefined with all_blocks; out [B, S_local, Hq, D] of
+// local.out_dtype, lse f32 [B, Hq, S_local] (may be left undefined). Throws bsattn::Error naming the
+// argument before anything is sent when the shapes or the layout do not fit.
+Stats attention(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
+                const TensorView& k, const TensorView& v, const TensorView& block_mask, const TensorView& out,
+                const TensorView& lse);
+
+}  // namespace bsattn::distributed
