@@ -235,11 +235,22 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
   stats.bytes_all_gather = static_cast<std::size_t>(chunks.count - chunks.per_rank) * 2 * chunk_bytes;
   transport.exchange(sends, receives);
 
-  // Each query chunk: one Plan per used key chunk into fp32 parts, merged into its rows of out.
+  // Each query chunk: attention over each used key chunk into fp32 parts, merged into its rows of
+  // out. Two plans serve every pair: the diagonal one (causal within the chunk) and the others.
   Problem pair = local;
   pair.max_seqlen_q = pair.max_seqlen_kv = static_cast<int>(chunks.size);
   pair.out_dtype = DType::f32;
   pair.mask.alignment = Alignment::top_left;
+  std::unique_ptr<Plan> plans[2];  // [diagonal with the causal mask]
+  const auto plan_for = [&](bool diagonal_causal) -> Plan& {
+    std::unique_ptr<Plan>& plan = plans[diagonal_causal ? 1 : 0];
+    if (!plan) {
+      Problem p = pair;
+      p.mask.causal = diagonal_causal;
+      plan = std::make_unique<Plan>(p);
+    }
+    return *plan;
+  };
   const std::int64_t pair_words = (k_blocks + 31) / 32;
   for (const int qc : mine) {
     std::vector<int> keys;
@@ -269,8 +280,6 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
         k_chunk = TensorView::contiguous(received[2 * slot].data(), local.dtype, {B, chunks.size, Hkv, D});
         v_chunk = TensorView::contiguous(received[2 * slot + 1].data(), local.dtype, {B, chunks.size, Hkv, D});
       }
-      Problem p = pair;
-      p.mask.causal = sharding.causal && kc == qc;
       Inputs in;
       in.q = q_rows;
       in.k = k_chunk;
@@ -290,7 +299,7 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
       Outputs o;
       o.out = TensorView::contiguous(part_out.data() + i * B * chunks.size * Hq * D, DType::f32, {B, chunks.size, Hq, D});
       o.lse = TensorView::contiguous(part_lse.data() + i * B * Hq * chunks.size, DType::f32, {B, Hq, chunks.size});
-      Plan(p).run(in, o);
+      plan_for(sharding.causal && kc == qc).run(in, o);
       ++stats.pairs_attended;
     }
     merge_states(TensorView::contiguous(part_out.data(), DType::f32, {n, B, chunks.size, Hq, D}),
