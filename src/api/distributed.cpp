@@ -178,6 +178,26 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
   const std::int64_t Bs = sparse ? local.sparsity_batch : 1, Hs = sparse ? local.sparsity_heads : 1;
   if (sparse) expect_shape(block_mask, "block_mask", {Bs, Hs, q_blocks * chunks.per_rank, words}, DType::u32);
 
+  // The attention of a (query chunk, key chunk) pair into fp32 parts: two plans serve every pair,
+  // the diagonal one (causal within the chunk) and the others. Made before anything is sent, so
+  // that a problem the engine refuses throws here.
+  Problem pair = local;
+  pair.max_seqlen_q = pair.max_seqlen_kv = static_cast<int>(chunks.size);
+  pair.out_dtype = DType::f32;
+  pair.mask.alignment = Alignment::top_left;
+  std::unique_ptr<Plan> plans[2];  // [diagonal with the causal mask]
+  const auto plan_for = [&](bool diagonal_causal) -> Plan& {
+    std::unique_ptr<Plan>& plan = plans[diagonal_causal ? 1 : 0];
+    if (!plan) {
+      Problem p = pair;
+      p.mask.causal = diagonal_causal;
+      plan = std::make_unique<Plan>(p);
+    }
+    return *plan;
+  };
+  plan_for(false);
+  if (sharding.causal) plan_for(true);
+
   const std::vector<int> mine = chunks.of_rank(rank);
   const auto local_index = [&](int chunk) {
     return static_cast<int>(std::find(mine.begin(), mine.end(), chunk) - mine.begin());
@@ -235,22 +255,6 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
   stats.bytes_all_gather = static_cast<std::size_t>(chunks.count - chunks.per_rank) * 2 * chunk_bytes;
   transport.exchange(sends, receives);
 
-  // Each query chunk: attention over each used key chunk into fp32 parts, merged into its rows of
-  // out. Two plans serve every pair: the diagonal one (causal within the chunk) and the others.
-  Problem pair = local;
-  pair.max_seqlen_q = pair.max_seqlen_kv = static_cast<int>(chunks.size);
-  pair.out_dtype = DType::f32;
-  pair.mask.alignment = Alignment::top_left;
-  std::unique_ptr<Plan> plans[2];  // [diagonal with the causal mask]
-  const auto plan_for = [&](bool diagonal_causal) -> Plan& {
-    std::unique_ptr<Plan>& plan = plans[diagonal_causal ? 1 : 0];
-    if (!plan) {
-      Problem p = pair;
-      p.mask.causal = diagonal_causal;
-      plan = std::make_unique<Plan>(p);
-    }
-    return *plan;
-  };
   const std::int64_t pair_words = (k_blocks + 31) / 32;
   for (const int qc : mine) {
     std::vector<int> keys;

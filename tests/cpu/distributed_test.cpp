@@ -332,6 +332,21 @@ TEST(Distributed, BadShardsNameTheArgument) {
   } catch (const bsattn::Error& e) {
     EXPECT_EQ(e.argument(), "out");
   }
+  // A problem the engine refuses (3 query heads over 2 KV heads) throws from its plan, before the
+  // ranks exchange anything.
+  {
+    bsattn::Problem bad = p;
+    bad.heads_q = 3;
+    std::vector<float> x3(std::size_t(48) * 3 * 32), o3(x3.size()), l3(3 * 48);
+    try {
+      dist::attention(*t, bad, {}, TensorView::contiguous(x3.data(), DType::f32, {1, 48, 3, 32}), kv, kv, {},
+                      TensorView::contiguous(o3.data(), DType::f32, {1, 48, 3, 32}),
+                      TensorView::contiguous(l3.data(), DType::f32, {1, 3, 48}));
+      ADD_FAILURE() << "3 query heads over 2 KV heads were accepted";
+    } catch (const bsattn::Error& e) {
+      EXPECT_EQ(e.argument().rfind("problem.", 0), 0u) << e.what();
+    }
+  }
   p.max_seqlen_q = p.max_seqlen_kv = 47;
   dist::Sharding zigzag;
   zigzag.layout = dist::Layout::zigzag;
