@@ -178,25 +178,16 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
   const std::int64_t Bs = sparse ? local.sparsity_batch : 1, Hs = sparse ? local.sparsity_heads : 1;
   if (sparse) expect_shape(block_mask, "block_mask", {Bs, Hs, q_blocks * chunks.per_rank, words}, DType::u32);
 
-  // The attention of a (query chunk, key chunk) pair into fp32 parts: two plans serve every pair,
-  // the diagonal one (causal within the chunk) and the others. Made before anything is sent, so
-  // that a problem the engine refuses throws here.
+  // The attention of a (query chunk, key chunk) pair into fp32 parts: one plan serves every pair,
+  // and with the causal mask a second one the diagonal pairs (causal within the chunk). Made
+  // before anything is sent, so that a problem the engine refuses throws here.
   Problem pair = local;
   pair.max_seqlen_q = pair.max_seqlen_kv = static_cast<int>(chunks.size);
   pair.out_dtype = DType::f32;
   pair.mask.alignment = Alignment::top_left;
-  std::unique_ptr<Plan> plans[2];  // [diagonal with the causal mask]
-  const auto plan_for = [&](bool diagonal_causal) -> Plan& {
-    std::unique_ptr<Plan>& plan = plans[diagonal_causal ? 1 : 0];
-    if (!plan) {
-      Problem p = pair;
-      p.mask.causal = diagonal_causal;
-      plan = std::make_unique<Plan>(p);
-    }
-    return *plan;
-  };
-  plan_for(false);
-  if (sharding.causal) plan_for(true);
+  Plan off_diagonal(pair);
+  pair.mask.causal = true;
+  const std::unique_ptr<Plan> diagonal = sharding.causal ? std::make_unique<Plan>(pair) : nullptr;
 
   const std::vector<int> mine = chunks.of_rank(rank);
   const auto local_index = [&](int chunk) {
@@ -219,9 +210,15 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
             if (bit(bs, hs, r, c)) return true;
     return false;
   };
+  // keys[i]: the key chunks local chunk i's rows use; needs: their union, ascending.
+  std::vector<std::vector<int>> keys(mine.size());
   std::vector<int> needs;
-  for (int kc = 0; kc < chunks.count; ++kc)
-    if (std::any_of(mine.begin(), mine.end(), [&](int qc) { return used(qc, kc); })) needs.push_back(kc);
+  for (int kc = 0; kc < chunks.count; ++kc) {
+    bool needed = false;
+    for (std::size_t i = 0; i < mine.size(); ++i)
+      if (used(mine[i], kc)) keys[i].push_back(kc), needed = true;
+    if (needed) needs.push_back(kc);
+  }
   const std::vector<std::vector<int>> all_needs = transport.all_gather(needs);
 
   // The exchange: this rank's chunks to the ranks that use them, the chunks it uses from their
@@ -257,13 +254,11 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
 
   const std::int64_t pair_words = (k_blocks + 31) / 32;
   for (const int qc : mine) {
-    std::vector<int> keys;
-    for (const int kc : needs)
-      if (used(qc, kc)) keys.push_back(kc);
+    const std::vector<int>& used_keys = keys[local_index(qc)];
     const TensorView q_rows = slice(q, 1, local_index(qc) * chunks.size, chunks.size);
     const TensorView out_rows = slice(out, 1, local_index(qc) * chunks.size, chunks.size);
     const TensorView lse_rows = lse.defined() ? slice(lse, 2, local_index(qc) * chunks.size, chunks.size) : lse;
-    const std::int64_t n = static_cast<std::int64_t>(keys.size());
+    const std::int64_t n = static_cast<std::int64_t>(used_keys.size());
     if (n == 0) {  // no key chunk: every row is empty
       std::vector<float> empty_out(static_cast<std::size_t>(B * chunks.size * Hq * D), 0.0f);
       std::vector<float> empty_lse(static_cast<std::size_t>(B * Hq * chunks.size), -std::numeric_limits<float>::infinity());
@@ -274,7 +269,7 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
     std::vector<float> part_out(static_cast<std::size_t>(n * B * chunks.size * Hq * D));
     std::vector<float> part_lse(static_cast<std::size_t>(n * B * Hq * chunks.size));
     for (std::int64_t i = 0; i < n; ++i) {
-      const int kc = keys[i];
+      const int kc = used_keys[i];
       const std::size_t slot = static_cast<std::size_t>(std::find(needs.begin(), needs.end(), kc) - needs.begin());
       TensorView k_chunk, v_chunk;
       if (chunks.owner(kc) == rank) {
@@ -303,7 +298,7 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
       Outputs o;
       o.out = TensorView::contiguous(part_out.data() + i * B * chunks.size * Hq * D, DType::f32, {B, chunks.size, Hq, D});
       o.lse = TensorView::contiguous(part_lse.data() + i * B * Hq * chunks.size, DType::f32, {B, Hq, chunks.size});
-      plan_for(sharding.causal && kc == qc).run(in, o);
+      (diagonal && kc == qc ? *diagonal : off_diagonal).run(in, o);
       ++stats.pairs_attended;
     }
     merge_states(TensorView::contiguous(part_out.data(), DType::f32, {n, B, chunks.size, Hq, D}),

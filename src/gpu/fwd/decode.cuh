@@ -228,7 +228,7 @@ __device__ __forceinline__ void merge_splits(const AttentionParams& a, const Dec
 // = split) and each keeps its partial rows in its own shared memory: O in fp32 in its V stages
 // (free once the tile's last PV has completed; a split-KV CTA has one tile) as [64 tile rows]
 // [kHeadDim] with each row's 32-byte groups permuted by (row % 8) (the fragment writes of 8 rows
-// and the merge's row reads are free of bank conflicts), LSE in `lse[64]`. After a cluster
+// and the merge's row reads are free of bank conflicts), LSE in the kernel's `split_lse`. After a cluster
 // barrier the CTAs' warps share the merged rows and read the splits' rows from their peers
 // (ld.shared::cluster); a second barrier keeps every CTA's shared memory until its peers have
 // read it. No workspace store, arrival atomic or load through L2: the 1.2 + 1.0 + 1.65 us tail
