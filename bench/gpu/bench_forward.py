@@ -387,7 +387,8 @@ def issue14_rows():
     rows.append(Row("i14-S32768-causal", 32768, kind="causal"))
     rows.append(Row(f"i14-S32768-causal-win{W}", 32768, kind="window"))
     rows.append(Row("i14-docs16-causal-varlen", sum(DOCS), kind="docs", docs=DOCS))
-    rows.append(Row("i14-MHA40-S10800-blk64-rand0.175", 10800, 128, 64, 64, density=0.175, hs="q", hq=40, hkv=40))
+    for S in (10800, 32768):  # issue 11's Sol shape: MHA H 40, blocks 64 x 64, a pattern per head
+        rows.append(Row(f"i14-MHA40-S{S}-blk64-rand0.175", S, 128, 64, 64, density=0.175, hs="q", hq=40, hkv=40))
     for hs, tag in (("q", "qhead"), ("1", "shared")):
         for D in (64, 256):
             rows.append(Row(f"i14-S16384-D{D}-rand0.25-{tag}", 16384, D, density=0.25, hs=hs))

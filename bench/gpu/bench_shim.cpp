@@ -572,17 +572,18 @@ int bsattn_bench_prepare_time(void* handle, void* q, void* k, void* v, void* out
                                                       proxy_diag_inputs(*b, q, k, v, cnt, idx, pcnt, pidx), o);
     const std::int64_t rows = a.route_rows, capacity = a.route.capacity;
     TimingResources r;
-    // overflow [2], counts, proxy counts and order [rows] each, then the records (8-byte aligned)
-    const std::size_t ints = 2 + 3 * static_cast<std::size_t>(rows) + 1;
+    // the route flags (prepare_routes.hpp), counts, proxy counts and order [rows] each, then the
+    // records (8-byte aligned)
+    const std::size_t ints = (bsattn::gpu::kRouteFlagWords + 3 * static_cast<std::size_t>(rows) + 1) & ~std::size_t(1);
     cuda_ok(cudaMalloc(&r.memory, ints * sizeof(std::int32_t) + rows * capacity * sizeof(bsattn::route::Route)),
             "cudaMalloc");
     auto* overflow = static_cast<std::int32_t*>(r.memory);
-    std::int32_t* counts = overflow + 2;
+    std::int32_t* counts = overflow + bsattn::gpu::kRouteFlagWords;
     std::int32_t* proxy_counts = counts + rows;
     std::int32_t* order = proxy_counts + rows;
-    auto* routes = reinterpret_cast<bsattn::route::Route*>(overflow + (ints & ~std::size_t(1)));
+    auto* routes = reinterpret_cast<bsattn::route::Route*>(overflow + ints);
     for (cudaEvent_t& e : r.events) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
-    cuda_ok(cudaMemsetAsync(overflow, 0, 2 * sizeof(std::int32_t), s), "cudaMemsetAsync");
+    cuda_ok(cudaMemsetAsync(overflow, 0, bsattn::gpu::kRouteFlagWords * sizeof(std::int32_t), s), "cudaMemsetAsync");
     const bool proxy = a.route.proxy_mode != 0;
     const auto prepare = [&]() {
       cuda_ok(bsattn::gpu::prepare_routes(a, routes, counts, overflow, s, proxy ? proxy_counts : nullptr),

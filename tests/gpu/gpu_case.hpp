@@ -180,8 +180,9 @@ struct CaseSpec {
   int batch = 0;  // 0: drawn
   bool out_f32 = false;  // f32 output (the kernel stages it in two column halves)
   // Proxy compensation (SPEC §6): summaries built by the CPU engine; an explicit set names each
-  // unselected block with probability 0.6, and every block of an empty row.
+  // unselected block with probability explicit_fraction, and every block of an empty row.
   Proxy proxy = Proxy::off;
+  double explicit_fraction = 0.6;
   std::uint64_t seed = 1;
 };
 
@@ -337,7 +338,7 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
           }
           for (int kb = 0; kb < kbs; ++kb) {
             if (!chance(spec.density)) {
-              if (explicit_proxy && chance(0.6)) proxy_rows[r].push_back(kb);
+              if (explicit_proxy && chance(spec.explicit_fraction)) proxy_rows[r].push_back(kb);
               continue;
             }
             if (p.has_full && chance(0.4)) c->full_rows[r].push_back(kb);

@@ -107,6 +107,41 @@ TEST(GpuPaged, EveryFormatAndPageSize) {
     }
 }
 
+// Proxy compensation over a page cache (the summaries are the contiguous case's: build_summaries
+// reads the same tokens either way): eligible blocks and explicit sets, pages smaller and larger
+// than the blocks, batched and varlen.
+TEST(GpuPaged, ProxyCompensation) {
+  REQUIRE_SM90();
+  const PagedSweep sweeps[] = {{Format::block_lists, false, 16}, {Format::bitmask, true, 64},
+                               {Format::bsr, false, 256},        {Format::varlen_block_lists, true, 48}};
+  std::mt19937_64 rng(13);
+  std::uint64_t seed = 1300;
+  for (const PagedSweep& s : sweeps)
+    for (Proxy proxy : {Proxy::eligible, Proxy::explicit_set}) {
+      CaseSpec spec;
+      spec.format = s.format;
+      spec.varlen = s.varlen;
+      spec.proxy = proxy;
+      spec.bk = seed % 2 ? 64 : 128;
+      spec.mask = std::uniform_int_distribution<int>(0, 3)(rng);
+      spec.max_seqlen = 700;
+      spec.density = 0.25;
+      spec.seed = seed++;
+      auto c = make_case(spec);
+      page_kv(*c, s.page_size, rng);
+      SCOPED_TRACE(c->name + " page " + std::to_string(s.page_size));
+      c->poison_outputs();
+      {
+        Plan plan(c->problem);
+        plan.run(c->in_device, c->out_device, nullptr);
+        plan.check(nullptr);
+        CUDA_OK(cudaDeviceSynchronize());
+      }
+      const Result gpu = read_outputs(*c, Device::cuda);
+      expect_match(*c, gpu, run_cpu_engine(*c));
+    }
+}
+
 // A captured run replayed after new values were written at the same addresses: shorter
 // sequences (seq_lens_kv) whose pages moved elsewhere in the cache (block_table, K/V caches).
 // The replay must equal an eager run on the new values and the CPU engine.

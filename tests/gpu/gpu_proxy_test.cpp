@@ -2,7 +2,7 @@
 // (which the oracle suite checks against float64): eligible blocks and explicit proxy sets, every
 // format, batched and varlen (empty sequences), GQA with and without head packing, 128- and
 // 64-row tiles, KV tiles narrower than the kernel's (Bk 48, 96) and split blocks (Bk 256), short
-// last KV blocks, built-in masks (causal eligibility, windows, sinks, documents, KV bits), empty
+// last KV blocks, sparse explicit sets across the kernel's proxy windows, built-in masks (causal eligibility, windows, sinks, documents, KV bits), empty
 // rows (every block proxied), dense rows (nothing proxied). Outputs and LSE are poisoned before
 // the run and every element is compared.
 #include <cuda_runtime.h>
@@ -106,6 +106,34 @@ TEST(GpuProxy, ManyProxyStepsAndShortLastBlock) {
       spec.max_seqlen = 150 * bk + 37;  // 151 blocks: 3 proxy steps of 64 or 2 of 128
       spec.batch = 1;
       spec.density = 0.1;
+      spec.seed = seed++;
+      check_against_cpu(spec);
+    }
+}
+
+// Sparse explicit sets on long rows: a row's proxy records lie far apart, so the kernel's windows
+// (kBlockN blocks each, from the first record's to the last's) include windows with no record,
+// and records sit at both ends of a window; pair kernels (128-row tiles, blocks of 128, packed
+// head pairs) and 64-row tiles.
+TEST(GpuProxy, SparseExplicitSetsAcrossWindows) {
+  REQUIRE_SM90();
+  std::uint64_t seed = 7350;
+  const int blocks[][2] = {{64, 16}, {128, 32}, {128, 128}};
+  for (const auto& bl : blocks)
+    for (double fraction : {0.02, 0.3}) {
+      CaseSpec spec;
+      spec.proxy = Proxy::explicit_set;
+      spec.explicit_fraction = fraction;
+      spec.bq = bl[0];
+      spec.bk = bl[1];
+      spec.mask = seed % 2 ? 1 : 0;
+      // 300 blocks (5 windows of 64 or 3 of 128 blocks), or 157 of 128 tokens (2 windows)
+      spec.max_seqlen = bl[1] == 128 ? 20000 : 300 * bl[1] + 5;
+      spec.batch = 1;
+      spec.hq = 2;
+      spec.hkv = 1;
+      spec.density = bl[1] == 128 ? 0.02 : 0.05;
+      spec.format = seed % 3 == 0 ? Format::bitmask : Format::block_lists;
       spec.seed = seed++;
       check_against_cpu(spec);
     }

@@ -19,8 +19,8 @@ struct CuteElement<ElementType::f16> {
 
 // Where the head grouping allows it, tile_m 64 runs two query heads per CTA (GQA packing) and
 // tile_m 128 with 128-wide K/V tiles a CTA pair sharing its K/V loads (pair multicast). kProxy: the
-// kernels with proxy compensation (proxy.cuh); they have no CTA pair (its K/V halves are multicast
-// by TMA, the summary gather is a cp.async copy into one CTA) and no decode kernel.
+// kernels with proxy compensation (proxy.cuh), the pair included (a pair's two heads share their
+// routes, so their proxy windows too); no decode kernel.
 template <ElementType kType, int kHeadDim, int kBlockN, bool kProxy, KernelKind kKind>
 cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, const int* overflow,
                         cudaStream_t stream, const DecodeShape* decode) {
@@ -33,22 +33,24 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
     return launch_forward_ws<Decode>(a, extents, overflow, stream, decode_geometry(*decode));
   } else if constexpr (kKind == KernelKind::rows128) {
     using Rows128 = Traits<Element, kHeadDim, 2, kBlockN>;
-    if constexpr (kBlockN == 128 && !kProxy) {  // 128-wide K/V tiles: halves of 64 tokens per CTA
+    if constexpr (kBlockN == 128) {  // 128-wide K/V tiles: halves of 64 tokens per CTA
       // Three stages where they fit (D <= 128: 224 KB): the pair advances in lockstep and needs the
       // slack (measured 0.93-0.98x the single-CTA kernel with two stages, 1.00-1.06x with three;
       // the single-CTA kernel itself lost 4-7 % with three).
       using Rows128Pair = Traits<Element, kHeadDim, 2, kBlockN, 1, kHeadDim <= 128 ? 3 : 2, true>;
       if (!a) {
-        const cudaError_t e = launch_forward_ws<Rows128Pair>(nullptr, extents, overflow, stream);
+        const cudaError_t e = launch_forward_ws<Rows128Pair, kProxy>(nullptr, extents, overflow, stream);
         if (e != cudaSuccess) return e;
       } else if (packable_heads(a->route)) {
-        const cudaError_t e = launch_forward_ws<Rows128Pair>(a, extents, overflow, stream);
+        const cudaError_t e = launch_forward_ws<Rows128Pair, kProxy>(a, extents, overflow, stream);
         if (e != cudaErrorNotSupported) return e;
       }
     }
     return launch_forward_ws<Rows128, kProxy>(a, extents, overflow, stream);
   } else {
-    using Rows64 = Traits<Element, kHeadDim, 1, kBlockN>;
+    // Two CTAs per multiprocessor where their shared memory fits (Q, two K and two V stages).
+    constexpr int kRows64Ctas = (64 + 4 * kBlockN) * kHeadDim * 2 <= 100 * 1024 ? 2 : 1;
+    using Rows64 = Traits<Element, kHeadDim, 1, kBlockN, 1, 2, false, false, kRows64Ctas>;
     using Rows64Packed = Traits<Element, kHeadDim, 2, kBlockN, 2>;
     if (!a) {
       const cudaError_t e = launch_forward_ws<Rows64, kProxy>(nullptr, extents, overflow, stream);

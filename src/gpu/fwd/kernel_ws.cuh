@@ -42,10 +42,11 @@ struct WsConfig {
   static constexpr int kTileWarp = 3;  // producer warp that decodes tiles and loads Q
   static constexpr int kThreads = T::kThreads + kProducerThreads;
   static constexpr int kConsumerWarps = T::kThreads / 32;
-  // Register split: 64K registers per SM, one CTA. The producer keeps 40: with 24 its route loop
-  // spilled and the kernel ran 5-15 % slower (bench/RESULTS.md).
-  static constexpr int kProducerRegs = T::kWarpgroups == 2 ? 40 : 56;
-  static constexpr int kConsumerRegs = T::kWarpgroups == 2 ? 232 : 240;
+  // Register split: 64K registers per SM, one CTA (or 32K each for two). The producer keeps 40:
+  // with 24 its route loop spilled and the kernel ran 5-15 % slower (bench/RESULTS.md). Two CTAs
+  // of one consumer warpgroup: 40 / 208 (a split that takes every register hung in setmaxnreg).
+  static constexpr int kProducerRegs = T::kWarpgroups == 2 || T::kCtasPerSm == 2 ? 40 : 56;
+  static constexpr int kConsumerRegs = T::kWarpgroups == 2 ? 232 : T::kCtasPerSm == 2 ? 208 : 240;
   struct Smem {
     typename T::SharedStorage tiles;
     PipelineBarriers<T::kStages, T::kWarpgroups> bars;
@@ -54,12 +55,13 @@ struct WsConfig {
     float split_lse[T::kDecode ? 64 : 1];  // decode split-KV in a cluster: the tile rows' LSE (merge_cluster_splits)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
+  static_assert(T::kCtasPerSm == 1 || 2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs' shared memory per SM");
 };
 
 // kTokenTensors: the mask policy (RouteMask::apply); the launch picks the kernel by problem.
 // kProxy: proxy compensation (proxy.cuh), only in the kernels of problems with proxy routes.
 template <class T, bool kTokenTensors, bool kProxy = false>
-__global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
+__global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
     forward_kernel_ws(const __grid_constant__ AttentionParams a, const int* __restrict__ overflow,
                       const __grid_constant__ LaunchDescriptors desc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -136,7 +138,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
   // barriers (not mbarriers): compute-sanitizer's racecheck sees the ordering.
   // Named barrier ids: 0 __syncthreads; 1, 2 the consumer warpgroups; 3, 4 ping-pong.
   constexpr int kTileFull = 5, kTileEmpty = 7, kEpilogueSync = 9;
-  const int handoff_threads = T::kThreads + 32 + (tma && !kProxy ? 32 : kLoaderThreads);
+  const int handoff_threads = T::kThreads + 32 + (tma ? 32 : kLoaderThreads);
   // Reader side of tile t: null when there is no more work (then nothing is released).
   auto take_tile = [&](int t) -> const Tile* {
     barrier_sync(kTileFull + (t & 1), handoff_threads);
@@ -208,10 +210,10 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     }
     // The loader. With TMA one thread issues the bulk tensor copies (a paged cache: one warp, a
     // box per lane); the others exit rather than wait in leave() (a live lane that skips the
-    // tile-handoff bar.arrive would stall it). A proxy kernel keeps the kLoaderThreads threads: they
-    // gather the summary rows of the proxy steps.
+    // tile-handoff bar.arrive would stall it). A proxy kernel's windows follow a tile's exact
+    // routes from the same threads.
     const int issuers = !tma ? kLoaderThreads : a.route.paged ? 32 : 1;
-    if (tid >= (kProxy ? kLoaderThreads : issuers)) return;
+    if (tid >= issuers) return;
     bool first_tile = true;  // for the timeline marks only
     const auto stream = [&](auto slot_index) -> bool {
       constexpr int s = decltype(slot_index)::value;
@@ -219,12 +221,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
       const Tile& slot = sm.tile[s];
       if (slot.row < 0) return false;
       if (tid == 0 && first_tile) timeline_mark(desc.timeline, kLoaderHasTile);
-      if constexpr (kProxy) {
-        if (tid < issuers) load_tile_routes<T>(slot, tma, a, desc, st, bars, tid);
-        load_proxy_steps<T>(slot, tma, a, st, bars, tid);
-      } else {
-        load_tile_routes<T>(slot, tma, a, desc, st, bars, tid);
-      }
+      load_tile_routes<T, kProxy>(slot, tma, a, desc, st, bars, tid);
+      if constexpr (kProxy) load_proxy_windows<T>(slot, tma, a, desc, st, bars, tid);
       if (tid == 0 && first_tile) timeline_mark(desc.timeline, kLoaderIssued);
       first_tile = false;
       barrier_arrive(kTileEmpty + s, handoff_threads);
@@ -232,7 +230,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
     };
     while (stream(Int<0>{}) && stream(Int<1>{})) {
     }
-    if (!tma || kProxy) cp_async_wait<0>();
+    if (!tma) cp_async_wait<0>();
     leave();
     return;
   }
@@ -325,11 +323,13 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, 1)
 
     OnlineSoftmax<kRows> softmax(a.scale);
     clear(tOrO);
+    int proxy_cursor = tile.exact;  // proxy kernels: the first proxy record not in an earlier window
     // Route `step` of the tile (record rt when it is exact).
     auto mask_softmax = [&](const route::Route rt, int step, float (&rescale)[kRows]) {
       if constexpr (kProxy) {
         if (step >= tile.exact) {
-          proxy_softmax<kBlockN>(s_rc, c_rc, tile, step, p.block_kv, tile_row0, p.unit_m, softmax, rescale);
+          proxy_softmax<kBlockN>(s_rc, c_rc, tile, step, p.block_kv, tile_row0, p.unit_m, proxy_cursor, softmax,
+                                 rescale);
           return;
         }
       }

@@ -34,14 +34,15 @@ struct PairLaunch {
 // Items are assigned statically per cluster, and a cluster waiting for a free pair of
 // multiprocessors would run its whole share after the others, so the grid holds this many. A
 // host-side occupancy query, made at plan time and kept per device (66 on the H200).
-template <class T>
+template <class T, bool kProxy>
 int resident_pairs(int device, int sms) {
   static std::atomic<int> known[kMaxDevices] = {};  // 0: not queried yet
   if (device < kMaxDevices && known[device].load(std::memory_order_relaxed) > 0)
     return known[device].load(std::memory_order_relaxed);
   PairLaunch<T> launch(sms, nullptr);
   int pairs = 0;
-  if (cudaOccupancyMaxActiveClusters(&pairs, forward_kernel_ws<T, false>, &launch.config) != cudaSuccess || pairs < 1) {
+  if (cudaOccupancyMaxActiveClusters(&pairs, forward_kernel_ws<T, false, kProxy>, &launch.config) != cudaSuccess ||
+      pairs < 1) {
     cudaGetLastError();  // not sticky: fall back to one pair per two multiprocessors
     pairs = sms / 2;
   }
@@ -97,7 +98,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
       const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
       if (e != cudaSuccess) return e;
     }
-    if constexpr (T::kPairMulticast) (void)resident_pairs<T>(device, sms);
+    if constexpr (T::kPairMulticast) (void)resident_pairs<T, kProxy>(device, sms);
     if constexpr (T::kDecode) {
       for (auto kernel : {forward_kernel_ws<T, false>, forward_kernel_ws<T, true>}) {
         if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
@@ -127,15 +128,18 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
   desc.timeline = timeline_buffer();
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
   desc.tma = !no_tma && encode_maps<T>(*a, extents, desc) ? 1 : 0;
-  // Persistent: one CTA per multiprocessor (the kernel's shared memory allows no second one).
-  // BSATTN_GPU_CTA_PER_TILE=1 launches one CTA per work item instead (measurement switch). A
+  // Persistent: T::kCtasPerSm CTAs per multiprocessor (shared memory and registers allow no more).
+  // BSATTN_GPU_CTA_PER_TILE=1 launches one CTA per work item instead, BSATTN_GPU_ONE_CTA_PER_SM=1
+  // one CTA per multiprocessor whatever the kernel (measurement switches). A
   // split-KV decode launch always has one CTA per item: its merge runs after the tile loop from a
   // single job (decode.cuh, merge_splits); the plan chooses splits so that the items fit the SMs.
   static const bool cta_per_tile_switch = std::getenv("BSATTN_GPU_CTA_PER_TILE") != nullptr;
+  static const bool one_cta_per_sm = std::getenv("BSATTN_GPU_ONE_CTA_PER_SM") != nullptr;
+  const int resident = one_cta_per_sm ? sms : sms * T::kCtasPerSm;
   const bool cta_per_tile = cta_per_tile_switch || (T::kDecode && decode.kv_splits > 1);
   if constexpr (T::kPairMulticast) {
     if (!desc.tma) return cudaErrorNotSupported;
-    PairLaunch<T> launch(2 * (cta_per_tile ? items : std::min(items, resident_pairs<T>(device, sms))), stream);
+    PairLaunch<T> launch(2 * (cta_per_tile ? items : std::min(items, resident_pairs<T, kProxy>(device, sms))), stream);
     return cudaLaunchKernelEx(&launch.config, kernel, *a, overflow, desc);
   } else if constexpr (T::kDecode) {
     // Programmatic dependent launch: the CTAs are placed while route preparation (a few blocks
@@ -157,7 +161,8 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
     config.numAttrs = desc.decode.cluster_merge ? 2 : 1;
     return cudaLaunchKernelEx(&config, kernel, *a, overflow, desc);
   } else {
-    kernel<<<cta_per_tile ? items : std::min(items, sms), C::kThreads, C::kSmemBytes, stream>>>(*a, overflow, desc);
+    kernel<<<cta_per_tile ? items : std::min(items, resident), C::kThreads, C::kSmemBytes, stream>>>(*a, overflow,
+                                                                                                   desc);
     return cudaGetLastError();
   }
 }

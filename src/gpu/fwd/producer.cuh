@@ -78,11 +78,13 @@ struct PagedRows {
 // Bulk tensor (TMA) maps of Q, K, V and O as 4-D tensors (D, tokens, heads, batch; a paged cache
 // as (D, tokens of a page, heads, pages)). `tma` 0: the producer falls back to cp.async
 // (per-token addressing); `tma_out` 0: no map of O (a 4-byte output type, or one TMA cannot
-// address), the epilogue copies with its threads. Paged: the K/V maps copy boxes of
+// address), the epilogue copies with its threads. A problem with proxy routes maps its summaries
+// too (K/V tiles of summary rows: proxy.cuh). Paged: the K/V maps copy boxes of
 // `page_box_rows` tokens (each inside one page); `kv_pages` is the first page id past the cache.
 // A decode kernel's Q and O boxes are {64, T tokens, P heads} (decode.cuh).
 struct LaunchDescriptors {
   CUtensorMap q, k, v, o;
+  CUtensorMap k_summary, v_summary;  // proxy kernels: (D, blocks, heads, batch), boxes of a K/V tile's rows
   int tma, tma_out;
   int page_box_rows, kv_pages;
   DecodeGeometry decode;
@@ -148,6 +150,29 @@ __device__ __forceinline__ void load_operand(typename T::Element* base, const CU
       tma_load_4d(dst, map, bar, c * 64, token, hkv, batch);
     }
   }
+}
+
+// One operand (K or V) of a pipeline step into `stage` by TMA once the consumers released it: rows
+// [row, row + kBlockN) of `map` (load_operand), completing on the stage's full barrier.
+template <class T>
+__device__ __forceinline__ void tma_stage_load(typename T::Element* tiles, const CUtensorMap* map, std::uint64_t* full,
+                                               std::uint64_t* empty, int stage, int phase, int row, int hkv,
+                                               int batch) {
+  cutlass::arch::ClusterBarrier::wait(&empty[stage], phase ^ 1);
+  // The whole tile: with pair multicast both halves land here.
+  arrive_expect_tx(&full[stage], T::kBlockN * T::kHeadDim * sizeof(typename T::Element));
+  load_operand<T>(tiles, map, &full[stage], stage, row, hkv, batch);
+}
+
+// The same by the kLoaderThreads cp.async threads (ptid): rows k0 + [0, kBlockN) of `rows`
+// (produce_rows), zero-filled from n_valid on; each thread arrives once its copies have landed.
+template <class T, bool kIsV, class RowAddress>
+__device__ __forceinline__ void cp_async_stage_load(typename T::SharedStorage& st, const RowAddress& rows,
+                                                    std::uint64_t* full, std::uint64_t* empty, int stage, int phase,
+                                                    int k0, int n_valid, int ptid) {
+  cutlass::arch::ClusterBarrier::wait(&empty[stage], phase ^ 1);
+  produce_rows<T, kIsV, kLoaderThreads>(st, rows, k0, 0, T::kBlockN, n_valid, stage, ptid);
+  cp_async_arrive_noinc(&full[stage]);
 }
 
 // Paged K/V by TMA, run by the loader warp (ptid = lane). A tile is kBlockN / page_box_rows boxes,
@@ -217,13 +242,12 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
 // Streams the K and V tiles of one work tile's exact routes into the stages, from the tile's
 // pipeline position on (its proxy steps follow: proxy.cuh). TMA: thread 0 alone (paged: the
 // loader warp); cp.async: the kLoaderThreads loader threads (ptid).
-template <class T>
+template <class T, bool kProxy = false>
 __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, const AttentionParams& a,
                                                  const LaunchDescriptors& desc, typename T::SharedStorage& st,
                                                  PipelineBarriers<T::kStages, T::kWarpgroups>& bars, int ptid) {
   using Element = typename T::Element;
-  using Barrier = cutlass::arch::ClusterBarrier;
-  constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
+  constexpr int kStages = T::kStages;
   const route::RouteParams& p = a.route;
   const int hkv = tile.hkv;
   if (tma && p.paged) {
@@ -231,29 +255,25 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
   } else if (tma) {
     // Tokens past the tensor are zero-filled; tokens past the sequence but inside the tensor are
     // finite data that the route mask removes.
+    // A proxy kernel's windows follow in the same loop (one loop with the two maps: a second one
+    // spilled in the 40-register producer).
     const int tok0 = p.varlen_kv ? static_cast<int>(tile.si.kv_base) : 0;
     const int bc = p.varlen_kv ? 0 : tile.b;
-    constexpr unsigned kBytes = kBlockN * kHeadDim * sizeof(Element);
-    // One operand (K or V) of a route into `stage` (load_operand).
-    const auto load = [&](Element* tiles, const CUtensorMap* map, std::uint64_t* full, std::uint64_t* empty,
-                          int stage, int phase, int token) {
-      Barrier::wait(&empty[stage], phase ^ 1);
-      arrive_expect_tx(&full[stage], kBytes);  // the whole tile (with pair multicast both halves land here)
-      load_operand<T>(tiles, map, &full[stage], stage, token, hkv, bc);
-    };
-    for (int i = 0; i < tile.exact; ++i) {
+    for (int i = 0; i < (kProxy ? tile.count : tile.exact); ++i) {
       const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
-      const int token = tok0 + route_index(tile, i) * p.tile_n;
-      load(st.k, &desc.k, bars.full_k, bars.empty_k, stage, phase, token);
-      load(st.v, &desc.v, bars.full_v, bars.empty_v, stage, phase, token);
+      const bool window = kProxy && i >= tile.exact;
+      const int row = window ? proxy_window_row<T::kBlockN>(tile, i) : tok0 + route_index(tile, i) * p.tile_n;
+      const int batch = window ? tile.b : bc;
+      tma_stage_load<T>(st.k, window ? &desc.k_summary : &desc.k, bars.full_k, bars.empty_k, stage, phase, row, hkv,
+                        batch);
+      tma_stage_load<T>(st.v, window ? &desc.v_summary : &desc.v, bars.full_v, bars.empty_v, stage, phase, row, hkv,
+                        batch);
     }
   } else {
     // One operand of a route into `stage`; each thread arrives once its own copies have landed.
     const auto load = [&](auto is_v, const auto& rows, std::uint64_t* full, std::uint64_t* empty, int stage,
                           int phase, int k0, int n_valid) {
-      Barrier::wait(&empty[stage], phase ^ 1);
-      produce_rows<T, decltype(is_v)::value, kLoaderThreads>(st, rows, k0, 0, kBlockN, n_valid, stage, ptid);
-      cp_async_arrive_noinc(&full[stage]);
+      cp_async_stage_load<T, decltype(is_v)::value>(st, rows, full, empty, stage, phase, k0, n_valid, ptid);
     };
     const Element* k = static_cast<const Element*>(a.k);
     const Element* v = static_cast<const Element*>(a.v);
@@ -384,6 +404,12 @@ bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDe
   };
   const route::RouteParams& p = a.route;
   int kv_rows = T::kPairMulticast ? T::kBlockN / 2 : T::kBlockN;
+  if (p.proxy_mode != 0 &&
+      !(one(a.k_summary, a.summary_batch_stride, a.summary_block_stride, a.summary_head_stride, false,
+            p.max_kv_blocks, p.heads_kv, p.batch, kv_rows, maps.k_summary) &&
+        one(a.v_summary, a.v_summary_batch_stride, a.v_summary_block_stride, a.v_summary_head_stride, false,
+            p.max_kv_blocks, p.heads_kv, p.batch, kv_rows, maps.v_summary)))
+    return false;
   std::int64_t kv_batches = p.batch;
   if (p.paged) {
     kv_rows = 0;

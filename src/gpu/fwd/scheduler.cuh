@@ -38,7 +38,8 @@ struct Tile {
   int count;  // pipeline steps: exact routes, then proxy tiles (0 for a tile past the sequence end)
   int first;  // pipeline position of the first route: routes of this CTA's earlier tiles
   int exact;  // exact routes (the proxy records follow them in the row)
-  int proxies;  // proxy records, gathered kBlockN to a pipeline step (proxy kernels; else 0)
+  int proxies;  // proxy records (proxy kernels; else 0)
+  int window0;  // proxy kernels: the first proxy window, kBlockN KV blocks from window0 * kBlockN (proxy.cuh)
   int split;    // share of the row's routes (decode split-KV; else 0)
   int route0;   // the row's route index of routes[0] (its split's first)
   route::SeqInfo si;
@@ -85,8 +86,8 @@ __device__ __forceinline__ void place_tile(const AttentionParams& a, int item, i
   t.si = route::seq_info(p, rc.b);
 }
 
-// `first`: the tile's pipeline position; `proxy_columns`: columns of a proxy step (the kernel's
-// kBlockN), 0 in a kernel without proxy compensation. `from_lengths`: no route preparation ran,
+// `first`: the tile's pipeline position; `proxy_columns`: KV blocks of a proxy window (the
+// kernel's kBlockN), 0 in a kernel without proxy compensation. `from_lengths`: no route preparation ran,
 // the row's routes are its sequence's first prefix_tiles KV tiles (route_at).
 __device__ __forceinline__ void tile_routes(const AttentionParams& a, int first, Tile& t, int proxy_columns = 0,
                                             int splits = 1, bool from_lengths = false) {
@@ -109,8 +110,20 @@ __device__ __forceinline__ void tile_routes(const AttentionParams& a, int first,
   const int proxies = proxy_columns > 0 && records > 0 ? a.route_proxy_counts[row] : 0;
   t.exact = records - proxies;
   t.proxies = proxies;
-  t.count = records - proxies + (proxy_columns > 0 ? (proxies + proxy_columns - 1) / proxy_columns : 0);
+  int windows = 0;  // the windows from the first proxy record's to the last's (records in block order)
+  if (proxies > 0) {
+    const int window0 = t.routes[t.exact].index / proxy_columns;
+    t.window0 = window0;
+    windows = t.routes[records - 1].index / proxy_columns - window0 + 1;
+  }
+  t.count = t.exact + windows;
   t.first = first;
+}
+
+// First KV block of proxy step `step` (>= t.exact) of a proxy kernel: its window's first summary row.
+template <int kBlockN>
+__device__ __forceinline__ int proxy_window_row(const Tile& t, int step) {
+  return (t.window0 + step - t.exact) * kBlockN;
 }
 
 // Route i of a tile. Made from the lengths (t.routes null; only in kernels built with

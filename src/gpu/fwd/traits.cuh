@@ -12,8 +12,11 @@ namespace bsattn::gpu::fwd {
 // both, halving the L2 traffic per FLOP.
 // kDecode (decode.cuh): one warpgroup whose 64 rows are the query heads of one KV group times
 // 64 / heads tokens, and work items that split a route row's KV routes (split-KV).
+// kCtasPerSm 2 (one consumer warpgroup, shared memory for two): two persistent CTAs per
+// multiprocessor, so that one CTA's softmax runs under the other's GEMMs as two consumer
+// warpgroups of one CTA do.
 template <class Element_, int kHeadDim_, int kWarpgroups_, int kBlockN_, int kHeadsPerTile_ = 1, int kStages_ = 2,
-          bool kPairMulticast_ = false, bool kDecode_ = false>
+          bool kPairMulticast_ = false, bool kDecode_ = false, int kCtasPerSm_ = 1>
 struct Traits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -21,6 +24,8 @@ struct Traits {
   static constexpr int kHeadsPerTile = kHeadsPerTile_;
   static constexpr bool kPairMulticast = kPairMulticast_;
   static constexpr bool kDecode = kDecode_;
+  static constexpr int kCtasPerSm = kCtasPerSm_;
+  static_assert(kCtasPerSm == 1 || (kWarpgroups == 1 && !kDecode), "two CTAs per SM: one consumer warpgroup");
   static_assert(!kDecode || (kWarpgroups == 1 && kHeadsPerTile == 1 && !kPairMulticast), "decode: one warpgroup");
   static constexpr int kItemHeads = kPairMulticast ? 2 : kHeadsPerTile;  // query heads per work item
   static constexpr int kBlockM = 64 * kWarpgroups / kHeadsPerTile;  // query rows of the route tile

@@ -1,9 +1,11 @@
-// Host check of the GPU proxy kernel's index arithmetic (src/gpu/fwd/proxy.cuh: the trailing
-// proxy-record count of prepare_routes_kernel, steps of kBlockN columns, a column's record and
-// unit bit, the short last block's column and weight) against the CPU engine's per-record loop
-// (cpu/engine.hpp: every record the unit takes, weight min(Bk, Skv - j Bk)), on route rows made
-// by the real route::prepare_row (random block lists, tails, causal / window, Bq 16-256, Bk
-// 16-256). Scores are all 0 so that only which columns count, and with what weight, is compared.
+// Host check of the GPU proxy kernel's index arithmetic (src/gpu/fwd/proxy.cuh, scheduler.cuh:
+// the trailing proxy-record count of prepare_routes_kernel, the windows of kBlockN blocks from the
+// first proxy record's to the last's, a window's visibility built from the records by the
+// kernel's cursor walk (kBlockN records read per window), the short last block's column and
+// weight) against the CPU engine's per-record loop (cpu/engine.hpp: every record the unit takes,
+// weight min(Bk, Skv - j Bk)), on route rows made by the real route::prepare_row (random block
+// lists, tails, causal / window, Bq 16-256, Bk 16-256). Scores are all 0 so that only which
+// columns count, and with what weight, is compared.
 //   g++ -std=c++17 -O2 -I include tests/gpu/emulation/proxy_index_check.cpp -o /tmp/proxy_index && /tmp/proxy_index
 #include <cmath>
 #include <cstdio>
@@ -45,8 +47,12 @@ int main() {
       const int count = prepare_row(p, row, rec.data());
       int proxies = 0;  // as prepare_routes_kernel
       while (proxies < count && rec[count - 1 - proxies].kind == 1) ++proxies;
-      const int exact = count - proxies, steps = (proxies + kBlockN - 1) / kBlockN;
+      const int exact = count - proxies;
+      // As tile_routes: the windows from the first proxy record's to the last's.
+      const int window0 = proxies ? rec[exact].index / kBlockN : 0;
+      const int steps = proxies ? rec[count - 1].index / kBlockN - window0 + 1 : 0;
       for (int i = 0; i < exact; ++i) if (rec[i].kind != 0) { ++bad; printf("proxy record among exact ones\n"); }
+      for (int i = exact + 1; i < count; ++i) if (rec[i].index <= rec[i - 1].index) { ++bad; printf("proxy records not in block order\n"); }
       if (exact == 0 && proxies) ++rows_all_proxy;
       if (!proxies) ++rows_none;
       if (steps > 1) ++multi_step;
@@ -58,22 +64,33 @@ int main() {
           const int nj = std::min(p.block_kv, s.seqlen_kv - rec[i].index * p.block_kv);
           cpu_den += nj; cpu_num += rec[i].index + 1;  // V summary of block j: j + 1
         }
-        // Kernel: steps of kBlockN columns, masked columns, the short column.
+        // Kernel (proxy_softmax): per window, kBlockN records from the cursor; those inside the
+        // window set their column's bit for the units they name; the cursor moves past them.
         double gpu_den = 0, gpu_num = 0;
+        int cursor = exact;
         for (int k = 0; k < steps; ++k) {
-          const int first = k * kBlockN, n_valid = std::min(kBlockN, proxies - first);
-          const Route* records = rec.data() + exact + first;
-          const int last = proxies - 1 - first;
-          int short_col = -1, n_short = 0;
-          if (last < kBlockN) { n_short = s.seqlen_kv - records[last].index * p.block_kv; if (n_short < p.block_kv) short_col = last; }
+          const int row0 = (window0 + k) * kBlockN;
+          std::vector<bool> visible(kBlockN, false);
+          int taken = 0;
+          for (int l = 0; l < kBlockN; ++l) {
+            const int i = cursor + l;
+            const int col = i < count ? rec[i].index - row0 : kBlockN;
+            if (col < 0) { ++bad; printf("record before its window\n"); continue; }
+            if (col >= kBlockN) continue;
+            ++taken;
+            if ((rec[i].rows >> unit) & 1u) visible[col] = true;
+          }
+          cursor += taken;
+          const int last_block = s.kv_blocks - 1, tokens = s.seqlen_kv - last_block * p.block_kv;
+          const int short_col = tokens < p.block_kv ? last_block - row0 : -1;
           for (int c = 0; c < kBlockN; ++c) {
-            const unsigned rows = c < n_valid ? records[c].rows : 0u;
-            if (!((rows >> unit) & 1u)) continue;
-            const double w = c == short_col ? n_short : p.block_kv;
+            if (!visible[c]) continue;
+            const double w = c == short_col ? tokens : p.block_kv;
             if (c == short_col) ++short_hits;
-            gpu_den += w; gpu_num += records[c].index + 1;
+            gpu_den += w; gpu_num += row0 + c + 1;  // the window's row c is block row0 + c
           }
         }
+        if (cursor != count) { ++bad; printf("cursor %d != %d\n", cursor, count); }
         ++checked;
         if (cpu_den != gpu_den || cpu_num != gpu_num) { if (bad++ < 5) printf("mismatch it %d row %d r %d: %g/%g vs %g/%g\n", it, row, r, cpu_num, cpu_den, gpu_num, gpu_den); }
       }
