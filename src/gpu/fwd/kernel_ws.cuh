@@ -323,16 +323,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
 
     OnlineSoftmax<kRows> softmax(a.scale);
     clear(tOrO);
-    int proxy_cursor = tile.exact;  // proxy kernels: the first proxy record not in an earlier window
-    // Route `step` of the tile (record rt when it is exact).
-    auto mask_softmax = [&](const route::Route rt, int step, float (&rescale)[kRows]) {
-      if constexpr (kProxy) {
-        if (step >= tile.exact) {
-          proxy_softmax<kBlockN>(s_rc, c_rc, tile, step, p.block_kv, tile_row0, p.unit_m, proxy_cursor, softmax,
-                                 rescale);
-          return;
-        }
-      }
+    // Softmax of exact route `step` (record rt): the route's mask, where it cuts, then the plain step.
+    auto exact_softmax = [&](const route::Route rt, int step, float (&rescale)[kRows]) {
       RouteMask m;
       m.k0 = rt.index * p.tile_n;
       m.n_valid = min(p.tile_n, si.seqlen_kv - m.k0);
@@ -347,6 +339,14 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
       }
       softmax.step(s_rc, rescale);
     };
+    const auto exact_record = [&](int step) { return route_at<kFromLengths>(a, tile, step); };
+    // Proxy kernels: the proxy steps' softmax from their candidate records (proxy.cuh).
+    int proxy_cursor = tile.exact;  // the first proxy record not in an earlier window
+    auto proxy_step_softmax = [&](const ProxyRecords<kBlockN>& records, int step, float (&rescale)[kRows]) {
+      proxy_softmax<kBlockN>(s_rc, c_rc, tile, step, p.block_kv, tile_row0, p.unit_m, records, proxy_cursor, softmax,
+                             rescale);
+    };
+    const auto proxy_records = [&](int) { return ProxyRecords<kBlockN>(tile, proxy_cursor); };
 
     // The last route's K and V stages stay held through the epilogue, which stages O in them.
     const int last = base + count - 1;
@@ -369,7 +369,10 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
       if (count > 1) release(bars.empty_k, base);
       else release_q();
       float rescale[kRows];  // of the last softmax: O takes it just before the next PV
-      mask_softmax(route_at<kFromLengths>(a, tile, 0), 0, rescale);
+      // Steps [0, exact_steps) are exact routes, the rest proxy windows (proxy kernels).
+      const int exact_steps = kProxy ? tile.exact : count;
+      if (!kProxy || exact_steps > 0) exact_softmax(exact_record(0), 0, rescale);
+      else if constexpr (kProxy) proxy_step_softmax(proxy_records(0), 0, rescale);
       convert_p();
       // Steady state: S(i+1) and PV(i) in flight together; O takes the rescale of softmax i
       // while S(i+1) runs (PV(i-1) is complete), not between PV(i) completing and the next
@@ -379,11 +382,12 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
       if constexpr (kPingPong) {
         if (wg == 0) barrier_arrive(kSchedBarrier0, 256);
       }
-      CUTE_NO_UNROLL
-      for (int i = 0; i < count - 1; ++i) {
-        // Read before the GEMMs are issued, so the load's latency hides under them (a register
-        // carried one iteration ahead measured slower: bench/RESULTS.md).
-        const route::Route rt = route_at<kFromLengths>(a, tile, i + 1);
+      // Step i: `what(i + 1)` is read before the GEMMs are issued, so the load's latency hides
+      // under them (a register carried one iteration ahead measured slower: bench/RESULTS.md),
+      // and `step_softmax` takes it after S(i+1). Two loops, exact routes then proxy windows, so
+      // that the exact steps run the exact kernels' loop.
+      const auto steady_step = [&](int i, const auto& what, auto& step_softmax) {
+        const auto next_step = what(i + 1);
         const int j = base + i;
         wait_full(bars.full_k, j + 1);
         if constexpr (kPingPong) barrier_sync(kSchedBarrier0 + wg, 256);
@@ -396,12 +400,19 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
         warpgroup_fence_operand(tSrS);
         if (j + 1 < last) release(bars.empty_k, j + 1);
         else release_q();
-        mask_softmax(rt, i + 1, rescale);
+        step_softmax(next_step, i + 1, rescale);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         warpgroup_fence_operand(tOrP);
         release(bars.empty_v, j);
         convert_p();
+      };
+      int i = 0;
+      CUTE_NO_UNROLL
+      for (; i < exact_steps - 1; ++i) steady_step(i, exact_record, exact_softmax);
+      if constexpr (kProxy) {
+        CUTE_NO_UNROLL
+        for (i = max(i, 0); i < count - 1; ++i) steady_step(i, proxy_records, proxy_step_softmax);
       }
       // Balance the ping-pong barriers (the first arrive, or the other warpgroup's last one).
       if constexpr (kPingPong) {

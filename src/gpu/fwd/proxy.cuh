@@ -68,29 +68,40 @@ struct BlockTokenWeight {
   __device__ __forceinline__ float operator()(int) const { return tokens; }
 };
 
+// The proxy records that can lie in the window of the tile's next proxy step: kBlockN from the
+// cursor (the first record not in an earlier window; a window holds at most kBlockN records, one
+// per block), record cursor + 32 w + L in lane L's records[w], past the row's records one past
+// every window. The consumers read them before the step's S GEMM is issued, as an exact route's
+// record: read in the softmax they put an L2 round trip on every proxy step.
+template <int kBlockN>
+struct ProxyRecords {
+  static constexpr int kWords = kBlockN / 32;
+  route::Route records[kWords];
+  __device__ __forceinline__ ProxyRecords(const Tile& tile, int cursor) {
+    const int end = tile.exact + tile.proxies, lane = threadIdx.x % 32;
+    CUTE_UNROLL
+    for (int w = 0; w < kWords; ++w) {
+      const int r = cursor + 32 * w + lane;
+      records[w] = r < end ? tile.routes[r] : route::Route{1 << 30, 0, 0, 0, 0};
+    }
+  }
+};
+
 // Softmax of proxy step `step` (>= tile.exact) of this warpgroup's score tile s (rowcol view, c
-// its coordinates): masks the columns the rows do not take, then the weighted online softmax.
-// `cursor`: the tile's first proxy record not in an earlier window (tile.exact before the first
-// proxy step); the steps come in order. A warp's 16 rows lie in one Q unit (unit_m >= 16), so the
-// warp builds the visibility of the window's kBlockN columns for its unit: a window holds at most
-// kBlockN records (one per block), read with one load per lane and 32 records, and each record
-// in the window sets its column's bit by a warp OR. The word of a column is picked by compares,
-// not by indexing, which would put the words in local memory.
+// its coordinates) from its candidate records: masks the columns the rows do not take, then the
+// weighted online softmax. `cursor` moves past the window's records (the steps come in order). A
+// warp's 16 rows lie in one Q unit (unit_m >= 16), so the warp builds the visibility of the
+// window's kBlockN columns for its unit: each candidate inside the window sets its column's bit
+// by a warp OR. The word of a column is picked by compares, not by indexing, which would put the
+// words in local memory.
 template <int kBlockN, class TS, class TC, class Softmax, int kRows>
 __device__ __forceinline__ void proxy_softmax(TS& s, const TC& c, const Tile& tile, int step, int block_kv,
-                                              int tile_row0, int unit_m, int& cursor, Softmax& softmax,
-                                              float (&rescale)[kRows]) {
+                                              int tile_row0, int unit_m, const ProxyRecords<kBlockN>& candidates,
+                                              int& cursor, Softmax& softmax, float (&rescale)[kRows]) {
   constexpr int kWords = kBlockN / 32;
   const int row0 = proxy_window_row<kBlockN>(tile, step);
-  const int end = tile.exact + tile.proxies;
   const int unit = (tile_row0 + get<0>(c(0, 0))) / unit_m;
-  const int lane = threadIdx.x % 32;
-  route::Route records[kWords];
-  CUTE_UNROLL
-  for (int w = 0; w < kWords; ++w) {
-    const int r = cursor + 32 * w + lane;
-    records[w] = r < end ? tile.routes[r] : route::Route{row0 + kBlockN, 0, 0, 0, 0};
-  }
+  const route::Route(&records)[kWords] = candidates.records;
   unsigned visible[kWords];
   CUTE_UNROLL
   for (int w = 0; w < kWords; ++w) visible[w] = 0u;
