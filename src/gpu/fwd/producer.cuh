@@ -102,27 +102,6 @@ __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, 
       : "memory");
 }
 
-// L2 eviction policies for the cache hints of bulk tensor copies (createpolicy): evict_normal is
-// what an unhinted copy gets; evict_last keeps the lines ahead of normally cached ones.
-__device__ __forceinline__ std::uint64_t l2_policy(bool evict_last) {
-  std::uint64_t policy;
-  if (evict_last) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-  else asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-
-// tma_load_4d under an L2 policy.
-__device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1,
-                                            int c2, int c3, std::uint64_t policy) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, "
-      "%4, %5, %6}], [%2], %7;\n" ::"r"(s),
-      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(m), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "l"(policy)
-      : "memory");
-}
-
 // The same box into the same shared-memory offset of every CTA in `mask`, completing on the
 // barrier at the same offset in each.
 __device__ __forceinline__ void tma_load_4d_multicast(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0,
@@ -133,17 +112,6 @@ __device__ __forceinline__ void tma_load_4d_multicast(void* smem, const CUtensor
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
       "%4, %5, %6}], [%2], %7;\n" ::"r"(s),
       "l"(reinterpret_cast<std::uint64_t>(map)), "r"(m), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "h"(mask)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_4d_multicast(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0,
-                                                      int c1, int c2, int c3, std::uint16_t mask,
-                                                      std::uint64_t policy) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster.L2::cache_hint "
-      "[%0], [%1, {%3, %4, %5, %6}], [%2], %7, %8;\n" ::"r"(s),
-      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(m), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "h"(mask), "l"(policy)
       : "memory");
 }
 
@@ -168,36 +136,32 @@ __device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
 // One K or V tile of a route into `stage`: D/64 boxes of 64 x kBlockN (128-byte swizzle, the layout
 // the wgmma descriptors read). With pair multicast this CTA loads its half of the tokens (boxes of
 // 64 x kBlockN/2, 8 KB apart: the swizzle pattern is unchanged) into both CTAs of the pair.
-// kHinted: the copies carry L2 policy `policy` (else none, the same as evict_normal).
-template <class T, bool kHinted = false>
+template <class T>
 __device__ __forceinline__ void load_operand(typename T::Element* base, const CUtensorMap* map, std::uint64_t* bar,
-                                             int stage, int token, int hkv, int batch, std::uint64_t policy = 0) {
+                                             int stage, int token, int hkv, int batch) {
   constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim;
   CUTE_UNROLL
   for (int c = 0; c < kHeadDim / 64; ++c) {
     typename T::Element* dst = base + (stage * kHeadDim + c * 64) * kBlockN;
     if constexpr (T::kPairMulticast) {
       const int half = static_cast<int>(cute::block_rank_in_cluster()) * (kBlockN / 2);
-      if constexpr (kHinted) tma_load_4d_multicast(dst + half * 64, map, bar, c * 64, token + half, hkv, batch, 0x3, policy);
-      else tma_load_4d_multicast(dst + half * 64, map, bar, c * 64, token + half, hkv, batch, 0x3);
+      tma_load_4d_multicast(dst + half * 64, map, bar, c * 64, token + half, hkv, batch, 0x3);
     } else {
-      if constexpr (kHinted) tma_load_4d(dst, map, bar, c * 64, token, hkv, batch, policy);
-      else tma_load_4d(dst, map, bar, c * 64, token, hkv, batch);
+      tma_load_4d(dst, map, bar, c * 64, token, hkv, batch);
     }
   }
 }
 
 // One operand (K or V) of a pipeline step into `stage` by TMA once the consumers released it: rows
-// [row, row + kBlockN) of `map` (load_operand), completing on the stage's full barrier (kHinted:
-// under L2 policy `policy`, l2_policy).
-template <class T, bool kHinted = false>
+// [row, row + kBlockN) of `map` (load_operand), completing on the stage's full barrier.
+template <class T>
 __device__ __forceinline__ void tma_stage_load(typename T::Element* tiles, const CUtensorMap* map, std::uint64_t* full,
-                                               std::uint64_t* empty, int stage, int phase, int row, int hkv, int batch,
-                                               std::uint64_t policy = 0) {
+                                               std::uint64_t* empty, int stage, int phase, int row, int hkv,
+                                               int batch) {
   cutlass::arch::ClusterBarrier::wait(&empty[stage], phase ^ 1);
   // The whole tile: with pair multicast both halves land here.
   arrive_expect_tx(&full[stage], T::kBlockN * T::kHeadDim * sizeof(typename T::Element));
-  load_operand<T, kHinted>(tiles, map, &full[stage], stage, row, hkv, batch, policy);
+  load_operand<T>(tiles, map, &full[stage], stage, row, hkv, batch);
 }
 
 // The same by the kLoaderThreads cp.async threads (ptid): rows k0 + [0, kBlockN) of `rows`
@@ -300,14 +264,10 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
       const bool window = kProxy && i >= tile.exact;
       const int row = window ? proxy_window_row<T::kBlockN>(tile, i) : tok0 + route_index(tile, i) * p.tile_n;
       const int batch = window ? tile.b : bc;
-      // A head's summaries are read again by each of its Q tiles, microseconds apart, while K/V
-      // tokens stream through L2 at several TB/s: kept with evict_last.
-      // (The exact kernels' copies stay unhinted.)
-      const std::uint64_t policy = kProxy ? l2_policy(window) : 0;
-      tma_stage_load<T, kProxy>(st.k, window ? &desc.k_summary : &desc.k, bars.full_k, bars.empty_k, stage, phase, row,
-                                hkv, batch, policy);
-      tma_stage_load<T, kProxy>(st.v, window ? &desc.v_summary : &desc.v, bars.full_v, bars.empty_v, stage, phase, row,
-                                hkv, batch, policy);
+      tma_stage_load<T>(st.k, window ? &desc.k_summary : &desc.k, bars.full_k, bars.empty_k, stage, phase, row, hkv,
+                        batch);
+      tma_stage_load<T>(st.v, window ? &desc.v_summary : &desc.v, bars.full_v, bars.empty_v, stage, phase, row, hkv,
+                        batch);
     }
   } else {
     // One operand of a route into `stage`; each thread arrives once its own copies have landed.

@@ -41,10 +41,8 @@ __device__ __forceinline__ void load_proxy_windows(const Tile& tile, bool tma, c
     for (int j = tile.first + tile.exact; j < tile.first + tile.count; ++j) {
       const int stage = j % kStages, phase = (j / kStages) & 1;
       const int row = proxy_window_row<kBlockN>(tile, j - tile.first);
-      tma_stage_load<T, true>(st.k, &desc.k_summary, bars.full_k, bars.empty_k, stage, phase, row, tile.hkv, tile.b,
-                              l2_policy(true));
-      tma_stage_load<T, true>(st.v, &desc.v_summary, bars.full_v, bars.empty_v, stage, phase, row, tile.hkv, tile.b,
-                              l2_policy(true));
+      tma_stage_load<T>(st.k, &desc.k_summary, bars.full_k, bars.empty_k, stage, phase, row, tile.hkv, tile.b);
+      tma_stage_load<T>(st.v, &desc.v_summary, bars.full_v, bars.empty_v, stage, phase, row, tile.hkv, tile.b);
     }
     return;
   }
