@@ -12,6 +12,9 @@
 // partial results by LSE (merge_states). Output and LSE are this rank's rows of the single-process
 // call over the whole sequence; rows that attend nothing get O = 0, LSE = -inf.
 //
+// The exchange overlaps the attention: the transfers are posted, the pairs whose key chunk the
+// rank holds run while they travel, then the received chunks' pairs, each chunk once it landed.
+//
 // This entry runs on the CPU engine (Device::cpu tensors); the ranks talk through a Transport,
 // e.g. LocalGroup's threads of one process. On GPUs, use Python's bsattn.distributed (over
 // torch.distributed with NCCL); a C++ NCCL transport is not written yet.
@@ -37,14 +40,22 @@ class Transport {
     void* data;
     std::size_t bytes;
   };
+  // Posted transfers. wait(i) returns once receive i has landed in its buffer; the destructor
+  // returns once every send and receive has completed (the send buffers may be reused then).
+  class Exchange {
+   public:
+    virtual ~Exchange() = default;
+    virtual void wait(std::size_t receive) = 0;
+  };
   virtual ~Transport() = default;
   virtual int rank() const = 0;
   virtual int world() const = 0;
   // Every rank's `mine` (a short list), in rank order.
   virtual std::vector<std::vector<int>> all_gather(const std::vector<int>& mine) = 0;
-  // Posts every send and receive and returns once all have completed. The messages from one rank
-  // to another are matched in the order both post them.
-  virtual void exchange(const std::vector<Send>& sends, const std::vector<Receive>& receives) = 0;
+  // Posts every send and receive and returns without waiting for them. The messages from one rank
+  // to another are matched in the order both post them. The buffers stay valid until the
+  // Exchange is destroyed.
+  virtual std::unique_ptr<Exchange> post(const std::vector<Send>& sends, const std::vector<Receive>& receives) = 0;
 };
 
 // `world` ranks that are threads of one process: transport(r) is rank r's (host memory; each
@@ -73,15 +84,16 @@ struct Stats {
   std::size_t bytes_received = 0;  // K and V of the received chunks
   std::size_t bytes_all_gather = 0;  // K and V an all-gather of every chunk would have brought
   int pairs_attended = 0;  // (query chunk, key chunk) pairs run
+  int pairs_before_first_wait = 0;  // of those, run before the first wait for a received chunk (all: none received)
 };
 
 // This rank's rows. `local` describes them as a single-process problem over the rank's tokens:
 // batch, heads, head_dim, dtypes, block sizes, scale, validate, num_threads (max_seqlen_q and
 // max_seqlen_kv: the rank's token count; layouts batched and contiguous; no mask, proxy, tiles);
 // format all_blocks (every block) or bitmask, whose sparsity_batch / sparsity_heads give
-// `block_mask`'s Bs and Hs. q [B, S_local, Hq, D], k and v [B, S_local, Hkv, D]; block_mask uint8
-// [Bs, Hs, S_local / Bq, S / Bk] (this rank's query blocks in its local order x the global key
-// blocks; nonzero keeps a block), undefined with all_blocks; out [B, S_local, Hq, D] of
+// `block_mask`'s Bs and Hs. q [B, S_local, Hq, D], k and v [B, S_local, Hkv, D]; block_mask
+// uint32 [Bs, Hs, S_local / Bq, ceil(S / Bk / 32)] (this rank's query blocks in its local order x
+// the global key blocks, bit j % 32 of word j / 32 keeps block j), undefined with all_blocks; out [B, S_local, Hq, D] of
 // local.out_dtype, lse f32 [B, Hq, S_local] (may be left undefined). Throws bsattn::Error naming the
 // argument before anything is sent when the shapes or the layout do not fit.
 Stats attention(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,

@@ -54,24 +54,53 @@ class LocalTransport final : public Transport {
     return s.published;  // stays valid until every rank of the next round has deposited
   }
 
-  void exchange(const std::vector<Send>& sends, const std::vector<Receive>& receives) override {
+  // Sends are copied into the peers' mailboxes at once; receive i is taken from its mailbox when
+  // waited for (the receives before it from the same peer first, which keeps posting order).
+  class LocalExchange final : public Exchange {
+   public:
+    LocalExchange(LocalTransport& t, std::vector<Receive> receives)
+        : t_(t), receives_(std::move(receives)), done_(receives_.size(), false) {}
+    ~LocalExchange() override {  // the sends were copied at posting: only receives can be pending
+      try {
+        for (std::size_t i = 0; i < receives_.size(); ++i) wait(i);
+      } catch (const Error&) {  // a size mismatch, already thrown to whoever waited for it
+      }
+    }
+    void wait(std::size_t receive) override {
+      LocalGroup::State& s = *t_.state_;
+      std::unique_lock<std::mutex> lock(s.mutex);
+      for (std::size_t i = 0; i <= receive && i < receives_.size(); ++i) {
+        const Receive& m = receives_[i];
+        if (done_[i] || (i != receive && m.peer != receives_[receive].peer)) continue;
+        auto& box = s.mailbox[static_cast<std::size_t>(m.peer) * s.world + t_.rank_];
+        s.changed.wait(lock, [&] { return !box.empty(); });
+        if (box.front().size() != m.bytes)
+          throw Error("transport", "rank " + std::to_string(t_.rank_) + " expected " + std::to_string(m.bytes) +
+                                       " bytes from rank " + std::to_string(m.peer) + ", got " +
+                                       std::to_string(box.front().size()));
+        std::memcpy(m.data, box.front().data(), m.bytes);
+        box.pop_front();
+        done_[i] = true;
+      }
+    }
+
+   private:
+    LocalTransport& t_;
+    std::vector<Receive> receives_;
+    std::vector<bool> done_;
+  };
+
+  std::unique_ptr<Exchange> post(const std::vector<Send>& sends, const std::vector<Receive>& receives) override {
     LocalGroup::State& s = *state_;
-    std::unique_lock<std::mutex> lock(s.mutex);
-    for (const Send& m : sends) {
-      const auto* p = static_cast<const unsigned char*>(m.data);
-      s.mailbox[static_cast<std::size_t>(rank_) * s.world + m.peer].emplace_back(p, p + m.bytes);
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      for (const Send& m : sends) {
+        const auto* p = static_cast<const unsigned char*>(m.data);
+        s.mailbox[static_cast<std::size_t>(rank_) * s.world + m.peer].emplace_back(p, p + m.bytes);
+      }
     }
     s.changed.notify_all();
-    for (const Receive& m : receives) {
-      auto& box = s.mailbox[static_cast<std::size_t>(m.peer) * s.world + rank_];
-      s.changed.wait(lock, [&] { return !box.empty(); });
-      if (box.front().size() != m.bytes)
-        throw Error("transport", "rank " + std::to_string(rank_) + " expected " + std::to_string(m.bytes) +
-                                     " bytes from rank " + std::to_string(m.peer) + ", got " +
-                                     std::to_string(box.front().size()));
-      std::memcpy(m.data, box.front().data(), m.bytes);
-      box.pop_front();
-    }
+    return std::make_unique<LocalExchange>(*this, receives);
   }
 
  private:
@@ -250,59 +279,86 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
     stats.bytes_received += 2 * chunk_bytes;
   }
   stats.bytes_all_gather = static_cast<std::size_t>(chunks.count - chunks.per_rank) * 2 * chunk_bytes;
-  transport.exchange(sends, receives);
+  // receive_of[slot]: the index of chunk needs[slot]'s K receive (V follows), -1 for a local chunk.
+  std::vector<int> receive_of(needs.size(), -1);
+  for (std::size_t i = 0, r = 0; i < needs.size(); ++i)
+    if (chunks.owner(needs[i]) != rank) receive_of[i] = static_cast<int>(r), r += 2;
+  const std::unique_ptr<Transport::Exchange> exchange = transport.post(sends, receives);
 
+  // Every (query chunk, key chunk) pair into its fp32 part; a query chunk's parts are merged once
+  // all are in. The pairs whose key chunk this rank holds run first, while the others travel; then
+  // each received chunk's pairs as it lands.
   const std::int64_t pair_words = (k_blocks + 31) / 32;
-  for (const int qc : mine) {
-    const std::vector<int>& used_keys = keys[local_index(qc)];
-    const TensorView q_rows = slice(q, 1, local_index(qc) * chunks.size, chunks.size);
-    const TensorView out_rows = slice(out, 1, local_index(qc) * chunks.size, chunks.size);
-    const TensorView lse_rows = lse.defined() ? slice(lse, 2, local_index(qc) * chunks.size, chunks.size) : lse;
-    const std::int64_t n = static_cast<std::int64_t>(used_keys.size());
+  const std::int64_t out_elems = B * chunks.size * Hq * D, lse_elems = B * Hq * chunks.size;
+  std::vector<std::vector<float>> part_out(mine.size()), part_lse(mine.size());
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    part_out[i].resize(static_cast<std::size_t>(keys[i].size() * out_elems));
+    part_lse[i].resize(static_cast<std::size_t>(keys[i].size() * lse_elems));
+  }
+  const auto attend = [&](std::size_t qi, std::size_t part, int kc, std::size_t slot) {
+    const int qc = mine[qi];
+    TensorView k_chunk, v_chunk;
+    if (chunks.owner(kc) == rank) {
+      k_chunk = slice(k, 1, local_index(kc) * chunks.size, chunks.size);
+      v_chunk = slice(v, 1, local_index(kc) * chunks.size, chunks.size);
+    } else {
+      k_chunk = TensorView::contiguous(received[2 * slot].data(), local.dtype, {B, chunks.size, Hkv, D});
+      v_chunk = TensorView::contiguous(received[2 * slot + 1].data(), local.dtype, {B, chunks.size, Hkv, D});
+    }
+    Inputs in;
+    in.q = slice(q, 1, local_index(qc) * chunks.size, chunks.size);
+    in.k = k_chunk;
+    in.v = v_chunk;
+    std::vector<std::uint32_t> bits;
+    if (sparse) {  // the pair's bitmask: the query chunk's rows, the key chunk's columns
+      bits.assign(static_cast<std::size_t>(Bs * Hs * q_blocks * pair_words), 0u);
+      const std::int64_t row0 = local_index(qc) * q_blocks;
+      for (std::int64_t bs = 0; bs < Bs; ++bs)
+        for (std::int64_t hs = 0; hs < Hs; ++hs)
+          for (std::int64_t r = 0; r < q_blocks; ++r)
+            for (std::int64_t c = 0; c < k_blocks; ++c)
+              if (bit(bs, hs, row0 + r, kc * k_blocks + c))
+                bits[static_cast<std::size_t>(((bs * Hs + hs) * q_blocks + r) * pair_words + c / 32)] |= 1u << (c % 32);
+      in.partial.bits = TensorView::contiguous(bits.data(), DType::u32, {Bs, Hs, q_blocks, pair_words});
+    }
+    Outputs o;
+    o.out = TensorView::contiguous(part_out[qi].data() + part * out_elems, DType::f32, {B, chunks.size, Hq, D});
+    o.lse = TensorView::contiguous(part_lse[qi].data() + part * lse_elems, DType::f32, {B, Hq, chunks.size});
+    (diagonal && kc == qc ? *diagonal : off_diagonal).run(in, o);
+    ++stats.pairs_attended;
+  };
+  // The pairs of key chunk needs[slot], for every local query chunk that uses it.
+  const auto attend_key_chunk = [&](std::size_t slot) {
+    for (std::size_t qi = 0; qi < mine.size(); ++qi) {
+      const auto at = std::find(keys[qi].begin(), keys[qi].end(), needs[slot]);
+      if (at != keys[qi].end()) attend(qi, static_cast<std::size_t>(at - keys[qi].begin()), needs[slot], slot);
+    }
+  };
+  for (std::size_t slot = 0; slot < needs.size(); ++slot)
+    if (receive_of[slot] < 0) attend_key_chunk(slot);
+  stats.pairs_before_first_wait = -1;
+  for (std::size_t slot = 0; slot < needs.size(); ++slot) {
+    if (receive_of[slot] < 0) continue;
+    if (stats.pairs_before_first_wait < 0) stats.pairs_before_first_wait = stats.pairs_attended;
+    exchange->wait(static_cast<std::size_t>(receive_of[slot]) + 1);  // K, then V
+    attend_key_chunk(slot);
+  }
+  if (stats.pairs_before_first_wait < 0) stats.pairs_before_first_wait = stats.pairs_attended;  // nothing received
+
+  for (std::size_t qi = 0; qi < mine.size(); ++qi) {
+    const std::int64_t begin = local_index(mine[qi]) * chunks.size;
+    const TensorView out_rows = slice(out, 1, begin, chunks.size);
+    const TensorView lse_rows = lse.defined() ? slice(lse, 2, begin, chunks.size) : lse;
+    const std::int64_t n = static_cast<std::int64_t>(keys[qi].size());
     if (n == 0) {  // no key chunk: every row is empty
-      std::vector<float> empty_out(static_cast<std::size_t>(B * chunks.size * Hq * D), 0.0f);
-      std::vector<float> empty_lse(static_cast<std::size_t>(B * Hq * chunks.size), -std::numeric_limits<float>::infinity());
+      std::vector<float> empty_out(static_cast<std::size_t>(out_elems), 0.0f);
+      std::vector<float> empty_lse(static_cast<std::size_t>(lse_elems), -std::numeric_limits<float>::infinity());
       merge_states(TensorView::contiguous(empty_out.data(), DType::f32, {1, B, chunks.size, Hq, D}),
                    TensorView::contiguous(empty_lse.data(), DType::f32, {1, B, Hq, chunks.size}), out_rows, lse_rows);
       continue;
     }
-    std::vector<float> part_out(static_cast<std::size_t>(n * B * chunks.size * Hq * D));
-    std::vector<float> part_lse(static_cast<std::size_t>(n * B * Hq * chunks.size));
-    for (std::int64_t i = 0; i < n; ++i) {
-      const int kc = used_keys[i];
-      const std::size_t slot = static_cast<std::size_t>(std::find(needs.begin(), needs.end(), kc) - needs.begin());
-      TensorView k_chunk, v_chunk;
-      if (chunks.owner(kc) == rank) {
-        k_chunk = slice(k, 1, local_index(kc) * chunks.size, chunks.size);
-        v_chunk = slice(v, 1, local_index(kc) * chunks.size, chunks.size);
-      } else {
-        k_chunk = TensorView::contiguous(received[2 * slot].data(), local.dtype, {B, chunks.size, Hkv, D});
-        v_chunk = TensorView::contiguous(received[2 * slot + 1].data(), local.dtype, {B, chunks.size, Hkv, D});
-      }
-      Inputs in;
-      in.q = q_rows;
-      in.k = k_chunk;
-      in.v = v_chunk;
-      std::vector<std::uint32_t> bits;
-      if (sparse) {  // the pair's bitmask: the query chunk's rows, the key chunk's columns
-        bits.assign(static_cast<std::size_t>(Bs * Hs * q_blocks * pair_words), 0u);
-        const std::int64_t row0 = local_index(qc) * q_blocks;
-        for (std::int64_t bs = 0; bs < Bs; ++bs)
-          for (std::int64_t hs = 0; hs < Hs; ++hs)
-            for (std::int64_t r = 0; r < q_blocks; ++r)
-              for (std::int64_t c = 0; c < k_blocks; ++c)
-                if (bit(bs, hs, row0 + r, kc * k_blocks + c))
-                  bits[static_cast<std::size_t>(((bs * Hs + hs) * q_blocks + r) * pair_words + c / 32)] |= 1u << (c % 32);
-        in.partial.bits = TensorView::contiguous(bits.data(), DType::u32, {Bs, Hs, q_blocks, pair_words});
-      }
-      Outputs o;
-      o.out = TensorView::contiguous(part_out.data() + i * B * chunks.size * Hq * D, DType::f32, {B, chunks.size, Hq, D});
-      o.lse = TensorView::contiguous(part_lse.data() + i * B * Hq * chunks.size, DType::f32, {B, Hq, chunks.size});
-      (diagonal && kc == qc ? *diagonal : off_diagonal).run(in, o);
-      ++stats.pairs_attended;
-    }
-    merge_states(TensorView::contiguous(part_out.data(), DType::f32, {n, B, chunks.size, Hq, D}),
-                 TensorView::contiguous(part_lse.data(), DType::f32, {n, B, Hq, chunks.size}), out_rows, lse_rows);
+    merge_states(TensorView::contiguous(part_out[qi].data(), DType::f32, {n, B, chunks.size, Hq, D}),
+                 TensorView::contiguous(part_lse[qi].data(), DType::f32, {n, B, Hq, chunks.size}), out_rows, lse_rows);
   }
   return stats;
 }

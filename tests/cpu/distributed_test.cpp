@@ -284,7 +284,7 @@ TEST(Distributed, ShardedEqualsSingleProcess) {
 
 // A causal band of one chunk (each query chunk keeps its own and the previous key chunk) on 4
 // ranks: a rank receives only the previous chunk (rank 0 nothing), a quarter of what an
-// all-gather would bring (3 chunks per rank).
+// all-gather would bring (3 chunks per rank), and attends its own chunk before it waits for it.
 TEST(Distributed, BandedPatternMovesOnlyItsChunks) {
   Spec s;
   s.world = 4;
@@ -297,6 +297,9 @@ TEST(Distributed, BandedPatternMovesOnlyItsChunks) {
   for (int rank = 0; rank < s.world; ++rank) {
     const dist::Stats& st = got.stats[rank];
     EXPECT_EQ(st.chunks_received, rank == 0 ? 0 : 1) << "rank " << rank;
+    // Its own diagonal pair runs while the previous chunk travels (the exchange overlaps it).
+    EXPECT_EQ(st.pairs_attended, rank == 0 ? 1 : 2) << "rank " << rank;
+    EXPECT_EQ(st.pairs_before_first_wait, 1) << "rank " << rank;
     received += st.bytes_received;
     all_gather += st.bytes_all_gather;
   }
