@@ -15,7 +15,8 @@
 // The exchange overlaps the attention: the transfers are posted, the pairs whose key chunk the
 // rank holds run while they travel, then the received chunks' pairs, each chunk once it landed.
 //
-// This entry runs on the CPU engine (Device::cpu tensors); the ranks talk through a Transport,
+// attention_backward() gives the gradients of the same scheme. Both run on the CPU engine
+// (Device::cpu tensors); the ranks talk through a Transport,
 // e.g. LocalGroup's threads of one process. On GPUs, use Python's bsattn.distributed (over
 // torch.distributed with NCCL); a C++ NCCL transport is not written yet.
 #pragma once
@@ -99,5 +100,17 @@ struct Stats {
 Stats attention(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
                 const TensorView& k, const TensorView& v, const TensorView& block_mask, const TensorView& out,
                 const TensorView& lse);
+
+// This rank's gradients of attention() for the loss gradient `dout` ([B, S_local, Hq, D], O's
+// dtype): dq [B, S_local, Hq, D], dk and dv [B, S_local, Hkv, D], each f32 or the inputs' dtype,
+// every element written. `out` and `lse` (required) are what attention() returned on this rank,
+// the other arguments as given to it. The same key chunks travel as in the forward; each chunk
+// pair's single-process backward (Plan::run_backward on the pair, with the whole rows' O and LSE,
+// which makes the pair's share of every gradient exact) adds to dQ here and to the key chunk's
+// dK, dV, which go back to the chunk's owner and are summed there (fp32 throughout, rounded once).
+Stats attention_backward(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
+                         const TensorView& k, const TensorView& v, const TensorView& block_mask,
+                         const TensorView& out, const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                         const TensorView& dk, const TensorView& dv);
 
 }  // namespace bsattn::distributed

@@ -1,6 +1,7 @@
 // Context parallelism in C++ (include/bsattn/distributed.hpp): ranks as threads of this process
 // (LocalGroup), each holding its chunks of a random sequence, against the single-process Plan
-// over the whole sequence on the same inputs: every row of O and LSE, contiguous and zigzag
+// over the whole sequence on the same inputs: every row of O and LSE and every element of the
+// backward's dQ, dK, dV, contiguous and zigzag
 // shards, 1, 2 and 4 ranks, causal and not, every block or random bitmasks (shared, per batch, per
 // KV head, per query head, with empty rows), GQA, batch 1 and 2, f32 and bf16. Then the bytes a
 // banded pattern moves against an all-gather, and bad shapes.
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "bsattn/bsattn.hpp"
+#include "bsattn/cpu/numeric.hpp"
 
 namespace {
 
@@ -63,7 +65,8 @@ struct Data {
 
 struct Result {
   std::vector<float> out, lse;  // f32 results, [B, S, Hq, D] and [B, Hq, S] (global token order)
-  std::vector<dist::Stats> stats;
+  std::vector<float> dq, dk, dv;  // backward: [B, S, H, D] (global token order)
+  std::vector<dist::Stats> stats, stats_backward;
 };
 
 class Sequence {
@@ -82,6 +85,7 @@ class Sequence {
     fill(q_, std::int64_t(s.batch) * S_ * s.hq * s.d);
     fill(k_, std::int64_t(s.batch) * S_ * s.hkv * s.d);
     fill(v_, std::int64_t(s.batch) * S_ * s.hkv * s.d);
+    fill(dout_, std::int64_t(s.batch) * S_ * s.hq * s.d);
     qb_ = S_ / s.bq;
     kb_ = S_ / s.bk;
     words_ = (kb_ + 31) / 32;
@@ -154,7 +158,22 @@ class Sequence {
     bsattn::Outputs o;
     o.out = TensorView::contiguous(r.out.data(), DType::f32, {s_.batch, S_, s_.hq, s_.d});
     o.lse = TensorView::contiguous(r.lse.data(), DType::f32, {s_.batch, s_.hq, S_});
-    bsattn::Plan(p).run(in, o);
+    p.backward = true;
+    bsattn::Plan plan(p);
+    plan.run(in, o);
+    // The gradients for dout_ (f32, as O).
+    r.dq.assign(r.out.size(), NAN);
+    r.dk.assign(std::size_t(s_.batch) * S_ * s_.hkv * s_.d, NAN);
+    r.dv.assign(r.dk.size(), NAN);
+    bsattn::BackwardInputs bin;
+    bin.out = o.out;
+    bin.lse = o.lse;
+    bin.dout = TensorView::contiguous(self.dout_.values.data(), DType::f32, {s_.batch, S_, s_.hq, s_.d});
+    bsattn::Gradients g;
+    g.dq = TensorView::contiguous(r.dq.data(), DType::f32, {s_.batch, S_, s_.hq, s_.d});
+    g.dk = TensorView::contiguous(r.dk.data(), DType::f32, {s_.batch, S_, s_.hkv, s_.d});
+    g.dv = TensorView::contiguous(r.dv.data(), DType::f32, {s_.batch, S_, s_.hkv, s_.d});
+    plan.run_backward(in, bin, g);
     return r;
   }
 
@@ -164,6 +183,10 @@ class Sequence {
     r.out.assign(std::size_t(s_.batch) * S_ * s_.hq * s_.d, NAN);
     r.lse.assign(std::size_t(s_.batch) * s_.hq * S_, NAN);
     r.stats.resize(s_.world);
+    r.stats_backward.resize(s_.world);
+    r.dq.assign(r.out.size(), NAN);
+    r.dk.assign(std::size_t(s_.batch) * S_ * s_.hkv * s_.d, NAN);
+    r.dv.assign(r.dk.size(), NAN);
     dist::LocalGroup group(s_.world);
     std::vector<std::thread> threads;
     std::vector<std::string> errors(s_.world);
@@ -202,11 +225,34 @@ class Sequence {
               TensorView::contiguous(v.ptr(s_.dtype), s_.dtype, {s_.batch, local, s_.hkv, s_.d}), mask,
               TensorView::contiguous(out.data(), DType::f32, {s_.batch, local, s_.hq, s_.d}),
               TensorView::contiguous(lse.data(), DType::f32, {s_.batch, s_.hq, local}));
+          // The backward on this rank's O and LSE; dq in the inputs' dtype for bf16 cases (rounded
+          // once), dk and dv in f32.
+          Data dout = take(dout_, s_.hq);
+          const DType dq_type = s_.dtype;
+          std::vector<float> dq(out.size(), NAN), dk(std::size_t(s_.batch) * local * s_.hkv * s_.d, NAN), dv(dk.size(), NAN);
+          std::vector<std::uint16_t> dq_half(dq.size(), 0xffffu);
+          const TensorView out_view = TensorView::contiguous(out.data(), DType::f32, {s_.batch, local, s_.hq, s_.d});
+          r.stats_backward[rank] = dist::attention_backward(
+              *transport, problem(local), sharding,
+              TensorView::contiguous(q.ptr(s_.dtype), s_.dtype, {s_.batch, local, s_.hq, s_.d}),
+              TensorView::contiguous(k.ptr(s_.dtype), s_.dtype, {s_.batch, local, s_.hkv, s_.d}),
+              TensorView::contiguous(v.ptr(s_.dtype), s_.dtype, {s_.batch, local, s_.hkv, s_.d}), mask, out_view,
+              TensorView::contiguous(lse.data(), DType::f32, {s_.batch, s_.hq, local}),
+              TensorView::contiguous(dout.values.data(), DType::f32, {s_.batch, local, s_.hq, s_.d}),
+              TensorView::contiguous(dq_type == DType::bf16 ? static_cast<void*>(dq_half.data()) : dq.data(), dq_type,
+                                     {s_.batch, local, s_.hq, s_.d}),
+              TensorView::contiguous(dk.data(), DType::f32, {s_.batch, local, s_.hkv, s_.d}),
+              TensorView::contiguous(dv.data(), DType::f32, {s_.batch, local, s_.hkv, s_.d}));
+          if (dq_type == DType::bf16)
+            for (std::size_t i = 0; i < dq.size(); ++i) dq[i] = bsattn::cpu::bf16_to_float(dq_half[i]);
           for (int b = 0; b < s_.batch; ++b)
             for (std::int64_t i = 0; i < local; ++i) {
               const std::int64_t g = global_token(rank, i);
-              std::memcpy(&r.out[((b * S_ + g) * s_.hq) * s_.d], &out[((b * local + i) * s_.hq) * s_.d],
-                          sizeof(float) * s_.hq * s_.d);
+              const std::size_t q_row = std::size_t(s_.hq) * s_.d, kv_row = std::size_t(s_.hkv) * s_.d;
+              std::memcpy(&r.out[(b * S_ + g) * q_row], &out[(b * local + i) * q_row], sizeof(float) * q_row);
+              std::memcpy(&r.dq[(b * S_ + g) * q_row], &dq[(b * local + i) * q_row], sizeof(float) * q_row);
+              std::memcpy(&r.dk[(b * S_ + g) * kv_row], &dk[(b * local + i) * kv_row], sizeof(float) * kv_row);
+              std::memcpy(&r.dv[(b * S_ + g) * kv_row], &dv[(b * local + i) * kv_row], sizeof(float) * kv_row);
               for (int h = 0; h < s_.hq; ++h) r.lse[(b * s_.hq + h) * S_ + g] = lse[(b * s_.hq + h) * local + i];
             }
         } catch (const std::exception& e) {
@@ -227,7 +273,7 @@ class Sequence {
   std::int64_t S_ = 0;
   int qb_ = 0, kb_ = 0;
   std::int64_t words_ = 0;
-  Data q_, k_, v_;
+  Data q_, k_, v_, dout_;
   std::vector<std::uint8_t> keep_;
 };
 
@@ -250,6 +296,22 @@ void expect_same(const Result& got, const Result& want, float tol, const std::st
   }
   EXPECT_EQ(bad, 0u) << what;
   (void)infinite_lse;
+}
+
+// dQ, dK, dV of the sharded backward against the single-process one: within `tol` plus, for dQ
+// rounded to bf16 once, `rel` of its size.
+void expect_same_gradients(const Result& got, const Result& want, float tol, float rel, const std::string& what) {
+  std::size_t bad = 0;
+  const auto compare = [&](const std::vector<float>& g, const std::vector<float>& w, float r, const char* name) {
+    ASSERT_EQ(g.size(), w.size());
+    for (std::size_t i = 0; i < w.size(); ++i)
+      if (!(std::fabs(g[i] - w[i]) <= tol + r * std::fabs(w[i])) && bad++ < 5)
+        ADD_FAILURE() << what << ": " << name << "[" << i << "] " << g[i] << " vs " << w[i];
+  };
+  compare(got.dq, want.dq, rel, "dq");
+  compare(got.dk, want.dk, 0.0f, "dk");
+  compare(got.dv, want.dv, 0.0f, "dv");
+  EXPECT_EQ(bad, 0u) << what;
 }
 
 TEST(Distributed, ShardedEqualsSingleProcess) {
@@ -275,6 +337,7 @@ TEST(Distributed, ShardedEqualsSingleProcess) {
                                    std::to_string(s.batch) + (s.dtype == DType::bf16 ? " bf16" : " f32");
           const Result want = seq.reference(), got = seq.sharded();
           expect_same(got, want, 2e-5f, what);
+          expect_same_gradients(got, want, 1e-4f, s.dtype == DType::bf16 ? 8e-3f : 0.0f, what + " backward");
           ++cases;
           with_empty_rows += s.sparse && std::any_of(want.lse.begin(), want.lse.end(), [](float x) { return std::isinf(x); });
         }
@@ -349,6 +412,26 @@ TEST(Distributed, BadShardsNameTheArgument) {
     } catch (const bsattn::Error& e) {
       EXPECT_EQ(e.argument().rfind("problem.", 0), 0u) << e.what();
     }
+  }
+  // The backward: LSE is required, the gradients are f32 or the inputs' dtype, in their shapes;
+  // nothing is written before the error.
+  {
+    std::vector<float> dq(x.size(), 7.0f), dkv(y.size(), 7.0f);
+    std::vector<std::uint16_t> dq16(x.size());
+    const auto dq_view = TensorView::contiguous(dq.data(), DType::f32, {1, 48, 4, 32});
+    const auto dkv_view = TensorView::contiguous(dkv.data(), DType::f32, {1, 48, 2, 32});
+    const auto expect_refused = [&](const TensorView& l, const TensorView& gq, const TensorView& gk, const char* arg) {
+      try {
+        dist::attention_backward(*t, p, {}, q, kv, kv, {}, out, l, out, gq, gk, dkv_view);
+        ADD_FAILURE() << arg << ": accepted";
+      } catch (const bsattn::Error& e) {
+        EXPECT_EQ(e.argument(), arg) << e.what();
+      }
+      EXPECT_TRUE(std::all_of(dq.begin(), dq.end(), [](float g) { return g == 7.0f; })) << arg;
+    };
+    expect_refused(TensorView{}, dq_view, dkv_view, "lse");
+    expect_refused(lse, TensorView::contiguous(dq16.data(), DType::f16, {1, 48, 4, 32}), dkv_view, "dq");
+    expect_refused(lse, dq_view, TensorView::contiguous(dkv.data(), DType::f32, {1, 48, 4, 16}), "dk");
   }
   p.max_seqlen_q = p.max_seqlen_kv = 47;
   dist::Sharding zigzag;
