@@ -65,6 +65,23 @@ Result run_cpu_engine(Case& c) {
   return read_outputs(c, Device::cpu);
 }
 
+// The case of `spec` with its K/V in a page cache of `page_size`: the GPU plan's outputs
+// (poisoned first) against the CPU engine on the same paged inputs.
+void check_paged_case(const CaseSpec& spec, int page_size, std::mt19937_64& rng) {
+  auto c = make_case(spec);
+  page_kv(*c, page_size, rng);
+  SCOPED_TRACE(c->name + " page " + std::to_string(page_size));
+  c->poison_outputs();
+  {
+    Plan plan(c->problem);
+    plan.run(c->in_device, c->out_device, nullptr);
+    plan.check(nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+  }
+  const Result gpu = read_outputs(*c, Device::cuda);
+  expect_match(*c, gpu, run_cpu_engine(*c));
+}
+
 struct PagedSweep {
   Format format;
   bool varlen;
@@ -92,18 +109,7 @@ TEST(GpuPaged, EveryFormatAndPageSize) {
       spec.head_dim = rep == 0 ? 128 : rep == 1 ? 64 : 256;
       if (rep == 1) spec.bq = spec.bk = 64;
       if (rep == 2) spec.bk = 64;  // the D = 256 kernels take KV tiles of 64
-      auto c = make_case(spec);
-      page_kv(*c, s.page_size, rng);
-      SCOPED_TRACE(c->name + " page " + std::to_string(s.page_size));
-      c->poison_outputs();
-      {
-        Plan plan(c->problem);
-        plan.run(c->in_device, c->out_device, nullptr);
-        plan.check(nullptr);
-        CUDA_OK(cudaDeviceSynchronize());
-      }
-      const Result gpu = read_outputs(*c, Device::cuda);
-      expect_match(*c, gpu, run_cpu_engine(*c));
+      check_paged_case(spec, s.page_size, rng);
     }
 }
 
@@ -127,18 +133,7 @@ TEST(GpuPaged, ProxyCompensation) {
       spec.max_seqlen = 700;
       spec.density = 0.25;
       spec.seed = seed++;
-      auto c = make_case(spec);
-      page_kv(*c, s.page_size, rng);
-      SCOPED_TRACE(c->name + " page " + std::to_string(s.page_size));
-      c->poison_outputs();
-      {
-        Plan plan(c->problem);
-        plan.run(c->in_device, c->out_device, nullptr);
-        plan.check(nullptr);
-        CUDA_OK(cudaDeviceSynchronize());
-      }
-      const Result gpu = read_outputs(*c, Device::cuda);
-      expect_match(*c, gpu, run_cpu_engine(*c));
+      check_paged_case(spec, s.page_size, rng);
     }
 }
 
