@@ -385,8 +385,9 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
       // Step i: `what(i + 1)` is read before the GEMMs are issued, so the load's latency hides
       // under them (a register carried one iteration ahead measured slower: bench/RESULTS.md),
       // and `step_softmax` takes it after S(i+1). Two loops, exact routes then proxy windows, so
-      // that the exact steps run the exact kernels' loop.
-      const auto steady_step = [&](int i, const auto& what, auto& step_softmax) {
+      // that the exact steps run the exact kernels' loop. Forced inline: left to the compiler, the
+      // lambda stayed a call in the decode and 64-row kernels, with a stack frame and spills.
+      const auto steady_step = [&](int i, const auto& what, auto& step_softmax) __attribute__((always_inline)) {
         const auto next_step = what(i + 1);
         const int j = base + i;
         wait_full(bars.full_k, j + 1);
@@ -407,12 +408,11 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
         release(bars.empty_v, j);
         convert_p();
       };
-      int i = 0;
       CUTE_NO_UNROLL
-      for (; i < exact_steps - 1; ++i) steady_step(i, exact_record, exact_softmax);
+      for (int i = 0; i < exact_steps - 1; ++i) steady_step(i, exact_record, exact_softmax);
       if constexpr (kProxy) {
         CUTE_NO_UNROLL
-        for (i = max(i, 0); i < count - 1; ++i) steady_step(i, proxy_records, proxy_step_softmax);
+        for (int i = max(exact_steps - 1, 0); i < count - 1; ++i) steady_step(i, proxy_records, proxy_step_softmax);
       }
       // Balance the ping-pong barriers (the first arrive, or the other warpgroup's last one).
       if constexpr (kPingPong) {
