@@ -6,7 +6,7 @@
 // weight min(Bk, Skv - j Bk)), on route rows made by the real route::prepare_row (random block
 // lists, tails, causal / window, Bq 16-256, Bk 16-256). Scores are all 0 so that only which
 // columns count, and with what weight, is compared.
-//   g++ -std=c++17 -O2 -I include tests/gpu/emulation/proxy_index_check.cpp -o /tmp/proxy_index && /tmp/proxy_index
+//   ctest -R gpu_proxy_windows_model, or: g++ -std=c++17 -O2 -I include tests/gpu/emulation/proxy_index_check.cpp
 #include <cmath>
 #include <cstdio>
 #include <random>
