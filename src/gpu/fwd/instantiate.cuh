@@ -48,8 +48,8 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
     }
     return launch_forward_ws<Rows128, kProxy>(a, extents, overflow, stream);
   } else {
-    // Two CTAs per multiprocessor where their shared memory fits (Q, two K and two V stages).
-    constexpr int kRows64Ctas = (64 + 4 * kBlockN) * kHeadDim * 2 <= 100 * 1024 ? 2 : 1;
+    // Two CTAs per multiprocessor where their shared memory fits (WsConfig checks the pair).
+    constexpr int kRows64Ctas = Traits<Element, kHeadDim, 1, kBlockN>::kSmemBytes <= 100 * 1024 ? 2 : 1;
     using Rows64 = Traits<Element, kHeadDim, 1, kBlockN, 1, 2, false, false, kRows64Ctas>;
     using Rows64Packed = Traits<Element, kHeadDim, 2, kBlockN, 2>;
     if (!a) {
