@@ -248,7 +248,6 @@ class Shards {
   // bad arguments throw before anything is sent).
   void agree() { all_needs = transport_.all_gather(needs); }
 
-  Transport& transport() { return transport_; }
   int rank() const { return rank_; }
   int world() const { return world_; }
   int local_index(int chunk) const {
@@ -388,7 +387,7 @@ class Shards {
   std::vector<int> receive_of_;  // per needed chunk: its K receive's index (V follows), -1 if held
 };
 
-// Adds src (fp32, contiguous like t's shape) into dst (fp32, contiguous, same shape).
+// Adds src into dst from element `offset` on (fp32 sums of gradients).
 void add_into(std::vector<float>& dst, std::size_t offset, const std::vector<float>& src) {
   for (std::size_t i = 0; i < src.size(); ++i) dst[offset + i] += src[i];
 }
