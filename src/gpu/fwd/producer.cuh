@@ -240,8 +240,9 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
 }
 
 // Streams the K and V tiles of one work tile's exact routes into the stages, from the tile's
-// pipeline position on (its proxy steps follow: proxy.cuh). TMA: thread 0 alone (paged: the
-// loader warp); cp.async: the kLoaderThreads loader threads (ptid).
+// pipeline position on; with TMA and contiguous K/V a proxy kernel's windows too (otherwise
+// load_proxy_windows follows: proxy.cuh). TMA: thread 0 alone (paged: the loader warp); cp.async:
+// the kLoaderThreads loader threads (ptid).
 template <class T, bool kProxy = false>
 __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, const AttentionParams& a,
                                                  const LaunchDescriptors& desc, typename T::SharedStorage& st,
