@@ -385,8 +385,8 @@ TEST(GpuBackward, BadInputWritesNothing) {
 // ascending Q-tile order (what the warp ballot of build_columns_kernel appends), every CTA's
 // StepWalk (with the kernel's early exit), against the steps the row-major routes imply: each
 // (route, 64-row step whose units take the route) walked exactly once by the CTA of its KV tile
-// and KV head, and every route position of a row seen (so the deterministic dQ semaphores reach
-// the route count).
+// and KV head, every route position of a row seen (so the deterministic dQ semaphores reach
+// the route count), and the last step of each column entry recognised without the next one.
 TEST(GpuBackwardHost, ColumnWalkCoversEveryRouteOnce) {
   using bsattn::gpu::ColumnRoute;
   using bsattn::gpu::bwd::StepWalk;
@@ -456,9 +456,16 @@ TEST(GpuBackwardHost, ColumnWalkCoversEveryRouteOnce) {
             const StepWalk walk = StepWalk::for_cta(p, column_entries.data(), column_counts.data(), kv_tiles, b, hkv,
                                                     kv_tile, si.seqlen_q);
             bsattn::gpu::bwd::Step s;
-            for (bool ok = walk.first(s); ok; ok = walk.next(s)) {
+            for (bool ok = walk.first(s); ok;) {
               EXPECT_EQ(s.q0, s.route.q_tile * p.tile_m + s.sub * 64);
               walked.insert({b, s.head, s.route.q_tile, kv_tile, s.sub, s.route.rows, s.route.masked, s.route.position});
+              // The consumers' own test for the end of a column entry (the deterministic dQ
+              // order) against the walk's next step.
+              bsattn::gpu::bwd::Step next = s;
+              const bool more = walk.next(next);
+              EXPECT_EQ(walk.last_of_record(s), !more || next.head != s.head || next.record != s.record);
+              s = next;
+              ok = more;
             }
           }
         const StepWalk units = StepWalk::for_cta(p, nullptr, nullptr, kv_tiles, b, 0, 0, si.seqlen_q);

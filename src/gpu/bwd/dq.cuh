@@ -30,12 +30,12 @@ __device__ __forceinline__ void red_add_v2(float* p, float x, float y, bool pred
 
 // dQ = dS K of the step into `acc` (a fragment of T::MmaDQ over 64 x D), issued as one wgmma
 // group and not waited for: the caller waits where it needs the result. Run by the dQ warpgroups
-// (dq_tid: thread index among them). dS is in shared memory (st.ds).
+// (dq_tid: thread index among them). dS is in shared memory (st.ds[ds_buffer]).
 template <class T, class Acc>
-__device__ __forceinline__ void issue_dq_gemm(typename T::SharedStorage& st, Acc& acc, int dq_tid) {
+__device__ __forceinline__ void issue_dq_gemm(typename T::SharedStorage& st, int ds_buffer, Acc& acc, int dq_tid) {
   typename T::MmaDQ mma;
   auto thr = mma.get_thread_slice(dq_tid);
-  Tensor sdS = make_tensor(make_smem_ptr(st.ds), typename T::SmemLayoutP{});
+  Tensor sdS = make_tensor(make_smem_ptr(st.ds[ds_buffer]), typename T::SmemLayoutP{});
   Tensor sKt = make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutKt{});
   wg_gemm<true, false>(mma, thr.partition_fragment_A(sdS), thr.partition_fragment_B(sKt), acc);
 }
@@ -51,7 +51,7 @@ __device__ __forceinline__ void add_dq(const Acc& acc, const Step& step, const B
                                        const route::SeqInfo& si, int b, bool deterministic, bool record_done,
                                        int dq_tid) {
   constexpr int kHeadDim = T::kHeadDim, kThreads = 128 * T::kDqWarpgroups;
-  constexpr int kOrderBarrier = 1;  // named barrier of the dQ warpgroups (0 is __syncthreads)
+  constexpr int kOrderBarrier = kDqOrderBarrier;
   typename T::MmaDQ mma;
   auto thr = mma.get_thread_slice(dq_tid);
   Tensor c = thr.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));

@@ -1,6 +1,6 @@
-// dK and dV of the CTA's KV tile from the warpgroups' accumulators (warpgroup 0 holds dV,
-// warpgroup 1 dK, each kBlockN x D), into the gradients' dtype and layout; dK takes the softmax
-// scale here (S = scale * Q K^T). Rows past the tile or the sequence's owned rows are not stored.
+// dK or dV of 64 KV rows from a consumer's accumulator (64 x D, T::MmaDKV), into the gradients'
+// dtype and layout; dK takes the softmax scale here (S = scale * Q K^T). Rows past the tile or the
+// sequence's owned rows are not stored.
 #pragma once
 #include "bsattn/backward_params.hpp"
 #include "gpu/bwd/elements.cuh"
@@ -8,19 +8,21 @@
 
 namespace bsattn::gpu::bwd {
 
-template <class T, class Acc, class ThrMma>
-__device__ __forceinline__ void store_dkv(const Acc& acc, const ThrMma& thr, const BackwardParams& g,
-                                          const route::SeqInfo& si, int b, int hkv, int k0, int n_store, int wg) {
-  Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}));
-  void* dst = wg == 0 ? g.dv : g.dk;
-  const TokenStrides& strides = wg == 0 ? g.dv_strides : g.dk_strides;
-  const ElementType type = wg == 0 ? g.dv_type : g.dk_type;
-  const float factor = wg == 0 ? 1.0f : g.fwd.scale;
+// row0: the accumulator's first KV row (sequence-local); n_store: how many of its rows to store.
+template <class T, class Acc>
+__device__ __forceinline__ void store_dkv(const Acc& acc, int consumer_tid, const BackwardParams& g,
+                                          const route::SeqInfo& si, int b, int hkv, int row0, int n_store, bool dk) {
+  typename T::MmaDKV mma;
+  Tensor c = mma.get_thread_slice(consumer_tid % 128).partition_C(make_identity_tensor(Shape<_64, Int<T::kHeadDim>>{}));
+  void* dst = dk ? g.dk : g.dv;
+  const TokenStrides& strides = dk ? g.dk_strides : g.dv_strides;
+  const ElementType type = dk ? g.dk_type : g.dv_type;
+  const float factor = dk ? g.fwd.scale : 1.0f;
   CUTE_UNROLL
   for (int e = 0; e < size(acc); ++e) {
     const int row = get<0>(c(e));
     if (row < n_store)
-      store_element(dst, g.kv_like_offset(strides, b, si, k0 + row, hkv) + get<1>(c(e)), type, acc(e) * factor);
+      store_element(dst, g.kv_like_offset(strides, b, si, row0 + row, hkv) + get<1>(c(e)), type, acc(e) * factor);
   }
 }
 

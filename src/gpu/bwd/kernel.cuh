@@ -1,19 +1,19 @@
 // The SM90 backward kernel. One CTA per (KV tile, KV head, batch): K and V stay in shared memory
 // while the CTA walks, for every query head of the KV head's group, the Q tiles that attend this
-// KV tile (the column stream, steps.cuh) in steps of 64 rows. Per step:
-//   S = Q K^T and dP = dO V^T issued (both warpgroups, KV columns split); under them the walk
-//   finds the next step and its Q, dO, LSE and delta go into the other stage (loader.cuh); once S
-//   is complete the forward's route mask (mask.cuh) and P = exp2(S * scale * log2(e) - LSE *
-//   log2(e)), P to shared memory (stmatrix) while dP completes; dS = P (dP - delta) to shared
-//   memory; then dQ = dS K (dq.cuh) and dV += P^T dO (warpgroup 0), dK += dS^T Q (warpgroup 1),
-//   dQ's adds into the fp32 accumulator (vector reductions, or in route order) running under the
-//   dK / dV GEMM (D 256: after it; Traits::kDqFirst).
+// KV tile (the column stream, steps.cuh) in steps of 64 rows. Warp specialised:
+//  * the producer warpgroup (loader.cuh) walks the steps and loads each step's Q, dO, LSE and
+//    delta into a free stage, kStages - 1 steps ahead of the consumers;
+//  * two consumer warpgroups compute, per step, S = Q K^T and dP = dO V^T (each its half of the
+//    KV columns); once S is complete the forward's route mask (mask.cuh), P = exp2(S * scale *
+//    log2(e) - LSE * log2(e)) and P to shared memory (stmatrix) while dP completes; dS = P (dP -
+//    delta) to shared memory; then dK, dV (traits.cuh: with 128-wide tiles each consumer's own 64
+//    KV rows, dV issued as soon as its own P is stored) and dQ = dS K (dq.cuh) after one barrier
+//    of both consumers, dQ's adds into the fp32 accumulator running under the dK / dV GEMM.
 // dK and dV stay in registers over the whole walk (the group's query heads summed there, GQA) and
-// are stored once (epilogue.cuh). Two block-wide barriers per step (the stage has landed and the
-// previous step's GEMMs are done; P and dS are in shared memory). No warp specialisation yet: all
-// 256 threads load with cp.async and compute.
+// are stored once (epilogue.cuh).
 #pragma once
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 #include "bsattn/backward_params.hpp"
 #include "gpu/backward.hpp"
@@ -27,6 +27,20 @@
 
 namespace bsattn::gpu::bwd {
 
+// dV += P^T dO or dK += dS^T Q of 64 KV rows: `block` is the 64 x 64 block of P or dS (its KV
+// columns are the GEMM's rows), `staged` dO or Q (all stages; the B operand is its transpose).
+template <class T, class Acc>
+__device__ __forceinline__ void issue_dkv_gemm(const typename T::Element* block, const typename T::Element* staged,
+                                               int stage, Acc& acc, int consumer_tid) {
+  typename T::MmaDKV mma;
+  auto thr = mma.get_thread_slice(consumer_tid % 128);
+  Tensor a = make_tensor(make_smem_ptr(block), typename T::SmemLayoutBlockT{});
+  Tensor bt = make_tensor(make_smem_ptr(staged), typename T::SmemLayoutQt{});
+  // The stage is picked among the operand descriptors: a slice of the swizzled layout itself would
+  // keep its offset inside the layout, where the descriptors do not see it.
+  wg_gemm<false, false>(mma, thr.partition_fragment_A(a), thr.partition_fragment_B(bt)(_, _, _, stage), acc);
+}
+
 // kTokenTensors: the forward's mask policy (RouteMask::apply), picked by problem at launch.
 template <class T, bool kTokenTensors>
 __global__ void __launch_bounds__(T::kThreads, 1)
@@ -34,7 +48,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                     const int* __restrict__ overflow, int deterministic, int max_kv_tiles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Element = typename T::Element;
-  constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
   extern __shared__ char smem_raw[];
   const unsigned smem_base = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
   auto& st = *reinterpret_cast<typename T::SharedStorage*>(smem_raw + ((1024u - smem_base % 1024u) % 1024u));
@@ -52,70 +67,67 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // A tile with routes is walked even past the owned rows (unvalidated lengths): the
   // deterministic dQ order waits for every route of a row.
   if (k0 >= owned && n_valid == 0) return;
-  const int tid = threadIdx.x, wg = tid / 128;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    CUTE_UNROLL
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&st.full[s], T::kProducerThreads + 1);  // every producer thread's copies, the slot
+      Barrier::init(&st.empty[s], T::kConsumerThreads / 32);  // the consumer warps
+    }
+    Barrier::init(&st.kv_full, T::kProducerThreads);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
 
   const StepWalk walk =
       StepWalk::for_cta(p, ws.columns, ws.column_counts, max_kv_tiles, b, hkv, kv_tile, si.seqlen_q);
-  const std::int64_t q_rows = ws.geometry.q_rows;
+  if (__shfl_sync(0xffffffffu, tid / 128, 0) == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    produce_steps<T>(st, g, ws, walk, b, si, k0, n_valid, hkv, tid);
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+  const int ctid = tid - T::kProducerThreads, wg = ctid / 128;  // consumer thread, consumer warpgroup
   const std::int64_t packed_base = p.varlen_q ? si.q_base : static_cast<std::int64_t>(b) * p.max_seqlen_q;
 
   typename T::MmaSdP mma_sdp;
   typename T::MmaDKV mma_dkv;
-  Tensor acc_dkv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  // kOwnRows: dV and dK of the consumer's 64 KV rows; else dV (consumer 0) or dK (consumer 1).
+  Tensor acc_dkv = partition_fragment_C(mma_dkv, Shape<_64, Int<kHeadDim>>{});
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<_64, Int<kHeadDim>>{});
   clear(acc_dkv);
+  if constexpr (T::kOwnRows) clear(acc_dk);
   const float scale_log2 = a.scale * float(M_LOG2E);
+  Barrier::wait(&st.kv_full, 0);
 
-  Step step;
-  bool have = n_valid > 0 && walk.first(step);
-  if (have) {
-    load_kv<T>(st, a, b, si, k0, n_valid, hkv, tid);
-    load_step<T>(st, g, b, si, step, 0, ws.lse_log2, ws.delta, q_rows, tid);
-    cp_async_commit();
-  }
-  for (int i = 0; have; ++i) {
-    const int stage = i % T::kStages;
-    fwd::cp_async_wait<0>();
-    cutlass::arch::fence_view_async_shared();  // cp.async writes before the wgmma (async proxy) reads
-    __syncthreads();  // every thread's loads landed; the previous step's GEMMs are done everywhere
+  for (int i = 0;; ++i) {
+    const int stage = i % kStages;
+    Barrier::wait(&st.full[stage], (i / kStages) & 1);
+    const Step step = st.step[stage];
+    if (step.head < 0) break;
+    const unsigned units = walk.step_units(step.sub);
+    const int p_buffer = T::kPBuffers == 1 ? 0 : i % 2, ds_buffer = i % 2;
 
     // Thread-dependent operand views are derived per step from an opaque thread index: hoisted
     // out of the step loop, their descriptors and addresses would stay live across it and spill.
-    const int ltid = fwd::opaque_thread_index();
+    const int ltid = fwd::opaque_thread_index() - T::kProducerThreads;
     auto thr_sdp = mma_sdp.get_thread_slice(ltid);
-    auto thr_dkv = mma_dkv.get_thread_slice(ltid % 128);
     Tensor sQ = make_tensor(make_smem_ptr(st.q), typename T::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(st.dout), typename T::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(st.v), typename T::SmemLayoutK{});
-    Tensor sP = make_tensor(make_smem_ptr(st.p), typename T::SmemLayoutP{});
-    Tensor sdS = make_tensor(make_smem_ptr(st.ds), typename T::SmemLayoutP{});
-    // dV += P^T dO on warpgroup 0, dK += dS^T Q on warpgroup 1: one GEMM shape, other operands.
-    const bool dv_warpgroup = ltid < 128;
-    Tensor sPt_or_dSt = make_tensor(make_smem_ptr(dv_warpgroup ? st.p : st.ds), typename T::SmemLayoutPt{});
-    Tensor sdOt_or_Qt = make_tensor(make_smem_ptr(dv_warpgroup ? st.dout : st.q), typename T::SmemLayoutQt{});
-    Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
-    Tensor tSrK = thr_sdp.partition_fragment_B(sK);
-    Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
-    Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
-    Tensor tKVrA = thr_dkv.partition_fragment_A(sPt_or_dSt);
-    Tensor tKVrB = thr_dkv.partition_fragment_B(sdOt_or_Qt);
+    Tensor sP = make_tensor(make_smem_ptr(st.p[p_buffer]), typename T::SmemLayoutP{});
+    Tensor sdS = make_tensor(make_smem_ptr(st.ds[ds_buffer]), typename T::SmemLayoutP{});
 
     // S and dP.
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, Int<kBlockN>>{});
     Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<_64, Int<kBlockN>>{});
-    wg_gemm<true, false>(mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS);
-    wg_gemm<true, false>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, tdPrdP);
-    // The next step (the walk reads its column record from global memory) and its loads into the
-    // other stage, while the tensor cores run S and dP: the stage's last readers (the previous
-    // step's GEMMs) completed before the barrier above.
-    Step next = step;
-    const bool have_next = walk.next(next);
-    if (have_next) {
-      load_step<T>(st, g, b, si, next, stage ^ 1, ws.lse_log2, ws.delta, q_rows, ltid);
-      cp_async_commit();
-    }
+    wg_gemm<true, false>(mma_sdp, thr_sdp.partition_fragment_A(sQ)(_, _, _, stage), thr_sdp.partition_fragment_B(sK),
+                         tSrS);
+    wg_gemm<true, false>(mma_sdp, thr_sdp.partition_fragment_A(sdO)(_, _, _, stage),
+                         thr_sdp.partition_fragment_B(sV), tdPrdP);
     // S is complete (dP may still run): the route mask exactly as in the forward, P, and P to
-    // shared memory under the dP GEMM; then dS.
+    // shared memory under the dP GEMM.
     warpgroup_wait<1>();
     warpgroup_fence_operand(tSrS);
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, Int<kBlockN>>{}));
@@ -123,7 +135,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     Tensor dp_rc = make_tensor(tdPrdP.data(), fwd::acc_rowcol(tdPrdP.layout()));
     Tensor c_rc = make_tensor(cS.data(), fwd::acc_rowcol(cS.layout()));
     const ColumnRoute& route = step.route;
-    const unsigned units = walk.step_units(step.sub);
     if ((route.masked & units) != 0 || (route.rows & units) != units || step.q0 + 64 > si.seqlen_q ||
         n_valid < kBlockN) {
       fwd::RouteMask m;
@@ -143,7 +154,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       for (int c = 0; c < size<1>(s_rc); ++c) s_rc(r, c) = fwd::exp2_ftz(s_rc(r, c) * scale_log2 - lse);
     }
     // P and dS to shared memory in the input dtype by stmatrix (8 x 8 matrices, 16 bytes per
-    // thread and instruction).
+    // thread and instruction), each consumer its KV columns.
     auto copy_pds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     auto thr_copy = copy_pds.get_thread_slice(ltid);
     {
@@ -152,7 +163,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       for (int e = 0; e < size(tSrS); ++e) rP(e) = static_cast<Element>(tSrS(e));
       cute::copy(copy_pds, thr_copy.retile_S(rP), thr_copy.partition_D(sP));
     }
-    warpgroup_wait<0>();
+    if constexpr (T::kOwnRows) {
+      // dV of the consumer's KV rows needs only its own P: issued now, under dS.
+      cutlass::arch::fence_view_async_shared();  // P (generic-proxy stores) before the wgmma reads
+      fwd::barrier_sync(kOwnPBarrier + wg, 128);
+      issue_dkv_gemm<T>(st.p[0] + wg * T::kBlockElements, st.dout, stage, acc_dkv, ltid);
+      warpgroup_wait<1>();  // S and dP complete, dV in flight
+    } else {
+      warpgroup_wait<0>();
+    }
     warpgroup_fence_operand(tdPrdP);
     CUTE_UNROLL
     for (int r = 0; r < size<0>(s_rc); ++r) {
@@ -167,47 +186,60 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       cute::copy(copy_pds, thr_copy.retile_S(rdS), thr_copy.partition_D(sdS));
     }
     cutlass::arch::fence_view_async_shared();  // P and dS (generic-proxy stores) before the wgmma reads
-    __syncthreads();
+    fwd::barrier_sync(kStepBarrier, T::kConsumerThreads);
 
-    // dV or dK, and dQ.
-    const bool record_done = !have_next || next.head != step.head || next.record != step.record;
-    if constexpr (T::kDqFirst) {
-      // dQ first: its adds then run while the tensor cores work on dV / dK.
-      Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
-      issue_dq_gemm<T>(st, acc_dq, ltid);
-      wg_gemm<false, false>(mma_dkv, tKVrA, tKVrB(_, _, _, stage), acc_dkv);
-      warpgroup_wait<1>();
+    // dK (and, 64-wide tiles, dV) and dQ. dQ's GEMM goes first where both consumers compute it,
+    // so its adds run under the dK / dV GEMM.
+    const bool dq_warpgroup = wg >= T::kDqWarpgroup0;
+    const int dq_tid = ltid - 128 * T::kDqWarpgroup0;
+    const auto add_dq_after = [&](auto& acc_dq) {
       warpgroup_fence_operand(acc_dq);
-      add_dq<T>(acc_dq, step, ws, packed_base, a, si, b, deterministic != 0, record_done, ltid);
+      add_dq<T>(acc_dq, step, ws, packed_base, a, si, b, deterministic != 0, deterministic != 0 && walk.last_of_record(step),
+                dq_tid);
+    };
+    const auto issue_dkv = [&]() {
+      if constexpr (T::kOwnRows) issue_dkv_gemm<T>(st.ds[ds_buffer] + wg * T::kBlockElements, st.q, stage, acc_dk, ltid);
+      else if (wg == 0) issue_dkv_gemm<T>(st.p[p_buffer], st.dout, stage, acc_dkv, ltid);
+      else issue_dkv_gemm<T>(st.ds[ds_buffer], st.q, stage, acc_dkv, ltid);
+    };
+    if constexpr (T::kDqFirst) {
+      Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
+      issue_dq_gemm<T>(st, ds_buffer, acc_dq, dq_tid);
+      issue_dkv();
+      warpgroup_wait<1>();
+      add_dq_after(acc_dq);
     } else if constexpr (T::kDqWarpgroups == 1) {
-      // D 64: warpgroup 1 alone computes dQ; it issues dQ first and adds under its dK GEMM.
-      if (wg == 1) {
+      // D 64: consumer 1 alone computes dQ; it issues dQ first and adds under its dK GEMM.
+      if (dq_warpgroup) {
         Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
-        issue_dq_gemm<T>(st, acc_dq, ltid - 128);
-        wg_gemm<false, false>(mma_dkv, tKVrA, tKVrB(_, _, _, stage), acc_dkv);
+        issue_dq_gemm<T>(st, ds_buffer, acc_dq, dq_tid);
+        issue_dkv();
         warpgroup_wait<1>();
-        warpgroup_fence_operand(acc_dq);
-        add_dq<T>(acc_dq, step, ws, packed_base, a, si, b, deterministic != 0, record_done, ltid - 128);
+        add_dq_after(acc_dq);
       } else {
-        wg_gemm<false, false>(mma_dkv, tKVrA, tKVrB(_, _, _, stage), acc_dkv);
+        issue_dkv();
       }
     } else {
-      wg_gemm<false, false>(mma_dkv, tKVrA, tKVrB(_, _, _, stage), acc_dkv);
-      if (wg >= T::kDqWarpgroup0) {
-        const int dq_tid = ltid - 128 * T::kDqWarpgroup0;
-        Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
-        issue_dq_gemm<T>(st, acc_dq, dq_tid);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_dq);
-        add_dq<T>(acc_dq, step, ws, packed_base, a, si, b, deterministic != 0, record_done, dq_tid);
-      }
+      // D 256: dK / dV first (registers: dQ's 64 accumulators beside dK / dV's 128).
+      issue_dkv();
+      Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
+      issue_dq_gemm<T>(st, ds_buffer, acc_dq, dq_tid);
+      warpgroup_wait<0>();
+      add_dq_after(acc_dq);
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dkv);
-    step = next;
-    have = have_next;
+    if constexpr (T::kOwnRows) warpgroup_fence_operand(acc_dk);
+    if (ltid % 32 == 0) Barrier::arrive(&st.empty[stage]);  // the stage's last readers are done
   }
-  store_dkv<T>(acc_dkv, mma_dkv.get_thread_slice(tid % 128), g, si, b, hkv, k0, max(0, min(p.tile_n, owned - k0)), wg);
+  const int n_owned = max(0, min(p.tile_n, owned - k0));
+  if constexpr (T::kOwnRows) {
+    const int row0 = 64 * wg;
+    store_dkv<T>(acc_dkv, ctid, g, si, b, hkv, k0 + row0, n_owned - row0, false);
+    store_dkv<T>(acc_dk, ctid, g, si, b, hkv, k0 + row0, n_owned - row0, true);
+  } else {
+    store_dkv<T>(acc_dkv, ctid, g, si, b, hkv, k0, n_owned, wg == 1);
+  }
 #endif
 }
 

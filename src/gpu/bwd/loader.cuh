@@ -1,45 +1,17 @@
-// Loads of the backward CTA, by all its threads with cp.async (16 bytes each per step, the same
-// swizzled shared layouts the wgmma descriptors read): the KV tile's K and V once, then per step
-// the 64 rows of Q and dO with their LSE and delta into one of two stages, issued a step ahead.
-// Rows past the sequence (or the KV tile) are zero-filled, never read.
+// The producer of the backward CTA: its warpgroup walks the CTA's steps (steps.cuh) and loads,
+// with cp.async (16 bytes per thread and copy, the same swizzled shared layouts the wgmma
+// descriptors read), the KV tile's K and V once, then per step the 64 rows of Q and dO with their
+// LSE and delta into the next free stage, completing on the stage's mbarrier. Rows past the
+// sequence (or the KV tile) are zero-filled, never read: a neighbouring sequence's rows would
+// reach dK / dV through a zero P.
 #pragma once
+#include <cutlass/arch/barrier.h>
+
 #include "bsattn/backward_params.hpp"
 #include "gpu/bwd/steps.cuh"
 #include "gpu/bwd/traits.cuh"
 
 namespace bsattn::gpu::bwd {
-
-// rows x D elements of one tensor into `tile` (a rows x D view); row(r) is the source address of
-// row r, or null for a zero row (then `base`, a valid address, is named but not read).
-template <class T, int kRows, class Tile, class RowAddress>
-__device__ __forceinline__ void load_rows(Tile tile, const RowAddress& row, const void* base, int tid) {
-  constexpr int kChunks = T::kHeadDim / 8;
-  constexpr int kRowsPerPass = T::kThreads / kChunks;
-  static_assert(T::kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole rows per pass");
-  const int d = (tid % kChunks) * 8;
-  CUTE_UNROLL
-  for (int r0 = 0; r0 < kRows; r0 += kRowsPerPass) {
-    const int r = r0 + tid / kChunks;
-    const typename T::Element* src = row(r);
-    cp_async_16(&tile(r, d), src ? static_cast<const void*>(src + d) : base, src != nullptr);
-  }
-}
-
-template <class T>
-__device__ __forceinline__ void load_kv(typename T::SharedStorage& st, const AttentionParams& a, int b,
-                                        const route::SeqInfo& si, int k0, int n_valid, int hkv, int tid) {
-  using Element = typename T::Element;
-  const auto rows = [&](const void* base, std::int64_t batch, std::int64_t token, std::int64_t head) {
-    return [=, &a, &si](int r) -> const Element* {
-      return r < n_valid ? static_cast<const Element*>(base) + a.kv_offset(b, si, k0 + r, hkv, batch, token, head)
-                         : nullptr;
-    };
-  };
-  load_rows<T, T::kBlockN>(make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutK{}),
-                           rows(a.k, a.k_batch_stride, a.k_token_stride, a.k_head_stride), a.k, tid);
-  load_rows<T, T::kBlockN>(make_tensor(make_smem_ptr(st.v), typename T::SmemLayoutK{}),
-                           rows(a.v, a.v_batch_stride, a.v_token_stride, a.v_head_stride), a.v, tid);
-}
 
 // `valid` rows of kRows x D elements of a Q-like tensor into `tile` (a kRows x D view) from
 // `first`, the step's first row, rows token_stride elements apart (the offsets are linear in the
@@ -49,8 +21,8 @@ template <class T, int kRows, class Tile>
 __device__ __forceinline__ void load_strided_rows(Tile tile, const typename T::Element* first, std::int64_t token_stride,
                                                   int valid, int tid) {
   constexpr int kChunks = T::kHeadDim / 8;
-  constexpr int kRowsPerPass = T::kThreads / kChunks;
-  static_assert(T::kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole rows per pass");
+  constexpr int kRowsPerPass = T::kProducerThreads / kChunks;
+  static_assert(T::kProducerThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole rows per pass");
   const int d = (tid % kChunks) * 8, r_first = tid / kChunks;
   const typename T::Element* src = first + r_first * token_stride + d;
   CUTE_UNROLL
@@ -59,6 +31,22 @@ __device__ __forceinline__ void load_strided_rows(Tile tile, const typename T::E
     cp_async_16(&tile(r0 + r_first, d), in ? src : first, in);
     src += kRowsPerPass * token_stride;
   }
+}
+
+// K and V of the KV tile (rows past n_valid zero-filled). The backward has no paged KV (plan()
+// refuses it), so a tile's rows are token_stride apart.
+template <class T>
+__device__ __forceinline__ void load_kv(typename T::SharedStorage& st, const AttentionParams& a, int b,
+                                        const route::SeqInfo& si, int k0, int n_valid, int hkv, int tid) {
+  using Element = typename T::Element;
+  load_strided_rows<T, T::kBlockN>(
+      make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutK{}),
+      static_cast<const Element*>(a.k) + a.kv_offset(b, si, k0, hkv, a.k_batch_stride, a.k_token_stride, a.k_head_stride),
+      a.k_token_stride, n_valid, tid);
+  load_strided_rows<T, T::kBlockN>(
+      make_tensor(make_smem_ptr(st.v), typename T::SmemLayoutK{}),
+      static_cast<const Element*>(a.v) + a.kv_offset(b, si, k0, hkv, a.v_batch_stride, a.v_token_stride, a.v_head_stride),
+      a.v_token_stride, n_valid, tid);
 }
 
 // Q, dO, LSE * log2(e) and delta of one step into `stage`. lse_log2 / delta: [Hq][q_rows], the
@@ -78,13 +66,45 @@ __device__ __forceinline__ void load_step(typename T::SharedStorage& st, const B
   load_strided_rows<T, 64>(sdO(_, _, stage),
                            static_cast<const Element*>(g.dout) + g.q_like_offset(g.dout_strides, b, si, s.q0, s.head),
                            g.dout_strides.token, rows, tid);
-  if (tid < 128) {
+  {
+    static_assert(T::kProducerThreads == 128, "a thread per LSE and delta value");
     const int r = tid % 64;
     const std::int64_t packed = (a.route.varlen_q ? si.q_base : static_cast<std::int64_t>(b) * a.route.max_seqlen_q) +
                                 s.q0 + r;
     const float* src = (tid < 64 ? lse_log2 : delta) + s.head * q_rows + packed;
     cp_async_4(tid < 64 ? &st.lse_log2[stage][r] : &st.delta[stage][r], r < rows ? src : lse_log2, r < rows);
   }
+}
+
+// The producer warpgroup (ptid: its thread index). Every thread walks alike and copies its share;
+// each arrives on a stage's full barrier once its copies have landed (cp.async arrive, counted in
+// the barrier's init), thread 0 also after writing the stage's step. After the last step one
+// more stage carries the end of the walk.
+template <class T>
+__device__ __forceinline__ void produce_steps(typename T::SharedStorage& st, const BackwardParams& g,
+                                              const BackwardWorkspace& ws, const StepWalk& walk, int b,
+                                              const route::SeqInfo& si, int k0, int n_valid, int hkv, int ptid) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  load_kv<T>(st, g.fwd, b, si, k0, n_valid, hkv, ptid);
+  fwd::cp_async_arrive_noinc(&st.kv_full);
+  Step step;
+  bool have = n_valid > 0 && walk.first(step);
+  for (int i = 0;; ++i) {
+    const int stage = i % T::kStages;
+    Barrier::wait(&st.empty[stage], ((i / T::kStages) & 1) ^ 1);
+    // The thread index through asm, per step: the copies' shared addresses are then recomputed
+    // each step rather than hoisted out of the loop (live across it, they spilled).
+    if (have) load_step<T>(st, g, b, si, step, stage, ws.lse_log2, ws.delta, ws.geometry.q_rows, fwd::opaque_thread_index());
+    fwd::cp_async_arrive_noinc(&st.full[stage]);
+    if (ptid == 0) {
+      st.step[stage] = step;
+      if (!have) st.step[stage].head = -1;
+      Barrier::arrive(&st.full[stage]);
+    }
+    if (!have) break;
+    have = walk.next(step);
+  }
+  fwd::cp_async_wait_all();
 }
 
 }  // namespace bsattn::gpu::bwd

@@ -71,6 +71,15 @@ struct StepWalk {
     }
     return false;
   }
+  // Whether s is the last step of its column entry (no later 64-row step of the Q tile lies in
+  // the sequence and takes the route): the deterministic dQ order moves on after it.
+  BSATTN_HD bool last_of_record(const Step& s) const {
+    for (int sub = s.sub + 1; sub * 64 < tile_m; ++sub) {
+      if (s.route.q_tile * tile_m + sub * 64 >= seqlen_q) break;
+      if (s.route.rows & step_units(sub)) return false;
+    }
+    return true;
+  }
   BSATTN_HD bool first(Step& s) const {
     s.head = head_begin;
     s.record = 0;

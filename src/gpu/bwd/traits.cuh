@@ -1,16 +1,20 @@
 // Tile configuration of the SM90 backward kernel: one CTA holds a KV tile (kBlockN tokens of K
-// and V, resident) and walks the Q tiles that attend it in steps of 64 query rows. Two
-// warpgroups. The five GEMMs:
-//   S  = Q K^T, dP = dO V^T   64 x kBlockN x D, the warpgroups split the KV columns
-//   dV += P^T dO              kBlockN x D x 64, warpgroup 0
-//   dK += dS^T Q              kBlockN x D x 64, warpgroup 1
-//   dQ  = dS K                64 x D x kBlockN, the warpgroups split D (D >= 128) or warpgroup 1
+// and V, resident) and walks the Q tiles that attend it in steps of 64 query rows. A producer
+// warpgroup (the walk and the loads) and two consumer warpgroups. The five GEMMs:
+//   S  = Q K^T, dP = dO V^T   64 x kBlockN x D, the consumers split the KV columns
+//   dV += P^T dO, dK += dS^T Q
+//       kBlockN 128 (kOwnRows): each consumer owns the 64 KV rows of its S columns, so its dV and
+//         dK read only the P and dS it wrote itself (64 x D x 64 each);
+//       kBlockN 64: consumer 0 computes dV, consumer 1 dK (kBlockN x D x 64), each from both
+//         consumers' P or dS
+//   dQ  = dS K                64 x D x kBlockN, the consumers split D (D >= 128) or consumer 1
 // Every operand is read from shared memory with 128-byte swizzles; the transposed operands are
 // views of the same bytes (a K-major tile read as the MN-major operand), so P and dS are written
 // once and Q, dO are loaded once per step.
 #pragma once
 #include <cute/atom/copy_traits_sm90.hpp>
 
+#include "gpu/bwd/steps.cuh"
 #include "gpu/fwd/utils.cuh"
 
 namespace bsattn::gpu::bwd {
@@ -21,25 +25,47 @@ using fwd::cp_async_4;
 using fwd::cp_async_commit;
 using fwd::wg_gemm;
 
+// Named barriers (hardware ids; 0 is __syncthreads): 1 + c, consumer c's own P (kOwnRows);
+// both consumers' P and dS of a step; the dQ warpgroups' route order (deterministic mode).
+constexpr int kOwnPBarrier = 1, kStepBarrier = 3, kDqOrderBarrier = 4;
+
 template <class Element_, int kHeadDim_, int kBlockN_>
 struct Traits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kBlockM = 64;  // query rows per step
-  static constexpr int kStages = 2;   // Q / dO / LSE / delta double buffer
-  static constexpr int kThreads = 256;
-  // dQ = dS K: split along D over both warpgroups where each half fills a 64-wide swizzle atom.
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  // Registers (setmaxnreg): the producer walks and issues cp.async; the consumers hold dK / dV.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr bool kOwnRows = kBlockN == 128;
+  // dQ = dS K: split along D over both consumers where each half fills a 64-wide swizzle atom.
   static constexpr int kDqWarpgroups = kHeadDim >= 128 ? 2 : 1;
-  static constexpr int kDqWarpgroup0 = 2 - kDqWarpgroups;  // first warpgroup that computes dQ
-  // dQ's GEMM issued before dK / dV's, its adds under theirs (both warpgroups compute dQ). Not at
-  // D 256: its 64 dQ accumulators per thread live beside dK / dV's 128 there spilled 4 bytes.
+  static constexpr int kDqWarpgroup0 = 2 - kDqWarpgroups;  // first consumer that computes dQ
+  // dQ's GEMM issued before dK / dV's, its adds under theirs (both consumers compute dQ). Not at
+  // D 256: its 64 dQ accumulators per thread beside dK / dV's 128 would not fit.
   static constexpr bool kDqFirst = kDqWarpgroups == 2 && kHeadDim <= 128;
   static_assert(kHeadDim % 64 == 0 && (kBlockN == 64 || kBlockN == 128), "tile shape");
-  // Registers: dK or dV of a warpgroup is kBlockN x D / 128 floats per thread.
-  static_assert(kBlockN * kHeadDim <= 128 * 128, "dK / dV accumulators would not fit in registers");
+  // Registers: a consumer's dK and dV (kOwnRows) or one of them is 64 x D x (1 or 2) floats / 128.
+  static_assert((kOwnRows ? 2 : 1) * 64 * kHeadDim <= 128 * 128, "dK / dV accumulators would not fit in registers");
+  // P: written by both consumers, read by one consumer's dV (kOwnRows: each its own half, done
+  // within the step, so one buffer); dS: read by both consumers' dQ. Double buffers let a consumer
+  // write step i + 1's while the other still reads step i's; the per-step barrier on dS keeps them
+  // within one step of each other.
+  static constexpr int kPBuffers = kOwnRows ? 1 : 2;
+  static constexpr int kDsBuffers = 2;
 
   using Atom = GMMA::Layout_K_SW128_Atom<Element>;
+  static constexpr int kStepBytes =
+      2 * 64 * kHeadDim * static_cast<int>(sizeof(Element)) + 2 * 64 * static_cast<int>(sizeof(float));
+  static constexpr int kFixedBytes = (2 * kBlockN * kHeadDim + (kPBuffers + kDsBuffers) * 64 * kBlockN) *
+                                     static_cast<int>(sizeof(Element));
+  // Q / dO / LSE / delta stages: three where they fit beside K, V, P and dS.
+  static constexpr int kStages = kFixedBytes + 3 * kStepBytes + 2048 <= 227 * 1024 ? 3 : 2;
+
   // Q and dO: 64 x D per stage, D contiguous. Their transposes (D x 64) are the MN-major B operands
   // of dK and dV.
   using SmemLayoutQ = decltype(tile_to_shape(Atom{}, Shape<_64, Int<kHeadDim>, Int<kStages>>{}));
@@ -49,11 +75,13 @@ struct Traits {
   using SmemLayoutK = decltype(tile_to_shape(Atom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
-  // P and dS: 64 x kBlockN, KV contiguous (the K-major A operand of dQ); their transposes are the
-  // MN-major A operands of dV and dK.
+  // P and dS: 64 x kBlockN, KV contiguous (the K-major A operand of dQ). The atoms tile the rows
+  // first, so KV columns [64 h, 64 h + 64) are the contiguous 64 x 64 block h; its transpose is
+  // the MN-major A operand (64 KV rows x 64 query rows) of dV and dK.
   using SmemLayoutP = decltype(tile_to_shape(Atom{}, Shape<_64, Int<kBlockN>>{}));
-  using SmemLayoutPt =
-      decltype(composition(SmemLayoutP{}, make_layout(Shape<Int<kBlockN>, _64>{}, Stride<_64, _1>{})));
+  using SmemLayoutBlockT = decltype(composition(tile_to_shape(Atom{}, Shape<_64, _64>{}),
+                                                make_layout(Shape<_64, _64>{}, Stride<_64, _1>{})));
+  static constexpr int kBlockElements = 64 * 64;
 
   using MmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN / 2>, Int<kHeadDim>>>(),
@@ -71,12 +99,15 @@ struct Traits {
     alignas(1024) Element v[kBlockN * kHeadDim];
     alignas(1024) Element q[kStages * 64 * kHeadDim];
     alignas(1024) Element dout[kStages * 64 * kHeadDim];
-    alignas(1024) Element p[64 * kBlockN];
-    alignas(1024) Element ds[64 * kBlockN];
+    alignas(1024) Element p[kPBuffers][64 * kBlockN];
+    alignas(1024) Element ds[kDsBuffers][64 * kBlockN];
     float lse_log2[kStages][64];
     float delta[kStages][64];
+    Step step[kStages];  // the stage's step, from the producer; head < 0: the walk has ended
+    alignas(8) std::uint64_t full[kStages], empty[kStages], kv_full;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + base alignment
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
 }  // namespace bsattn::gpu::bwd

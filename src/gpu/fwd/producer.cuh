@@ -126,13 +126,6 @@ __device__ __forceinline__ void expect_tx(std::uint64_t* bar, unsigned bytes) {
   asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(m), "r"(bytes) : "memory");
 }
 
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-__device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(s) : "memory");
-}
-
 // One K or V tile of a route into `stage`: D/64 boxes of 64 x kBlockN (128-byte swizzle, the layout
 // the wgmma descriptors read). With pair multicast this CTA loads its half of the tokens (boxes of
 // 64 x kBlockN/2, 8 KB apart: the swizzle pattern is unchanged) into both CTAs of the pair.

@@ -28,6 +28,14 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// Arrives on the mbarrier once this thread's earlier cp.async copies have landed; the arrival is
+// counted in the barrier's init count (noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(s) : "memory");
+}
+
 // One warpgroup GEMM: C (+)= A * B over every k block, committed as one wgmma group. The caller
 // waits (warpgroup_wait) where the result is needed, so GEMMs can stay in flight across work.
 // kRegA: A is a register fragment (RS wgmma); else both operands are shared-memory descriptors.
