@@ -1,8 +1,8 @@
 // The SM90 backward kernel. One CTA per (KV tile, KV head, batch): K and V stay in shared memory
 // while the CTA walks, for every query head of the KV head's group, the Q tiles that attend this
 // KV tile (the column stream, steps.cuh) in steps of 64 rows. Warp specialised:
-//  * the producer warpgroup (loader.cuh) walks the steps and loads each step's Q, dO, LSE and
-//    delta into a free stage, kStages - 1 steps ahead of the consumers;
+//  * the producer warpgroup (loader.cuh) walks the steps and loads each step's Q, dO (TMA), LSE
+//    and delta into a free stage, up to kStages steps ahead of the consumers;
 //  * two consumer warpgroups compute, per step, S = Q K^T and dP = dO V^T (each its half of the
 //    KV columns); once S is complete the forward's route mask (mask.cuh), P = exp2(S * scale *
 //    log2(e) - LSE * log2(e)) and P to shared memory (stmatrix) while dP completes; dS = P (dP -
@@ -45,7 +45,8 @@ __device__ __forceinline__ void issue_dkv_gemm(const typename T::Element* block,
 template <class T, bool kTokenTensors>
 __global__ void __launch_bounds__(T::kThreads, 1)
     backward_kernel(const __grid_constant__ BackwardParams g, const __grid_constant__ BackwardWorkspace ws,
-                    const int* __restrict__ overflow, int deterministic, int max_kv_tiles) {
+                    const __grid_constant__ StepMaps maps, const int* __restrict__ overflow, int deterministic,
+                    int max_kv_tiles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -83,7 +84,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       StepWalk::for_cta(p, ws.columns, ws.column_counts, max_kv_tiles, b, hkv, kv_tile, si.seqlen_q);
   if (__shfl_sync(0xffffffffu, tid / 128, 0) == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    produce_steps<T>(st, g, ws, walk, b, si, k0, n_valid, hkv, tid);
+    produce_steps<T>(st, g, maps, ws, walk, b, si, k0, n_valid, hkv, tid);
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
@@ -230,6 +231,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dkv);
     if constexpr (T::kOwnRows) warpgroup_fence_operand(acc_dk);
+    __syncwarp();  // the warp's reads of the stage before its leader releases it
     if (ltid % 32 == 0) Barrier::arrive(&st.empty[stage]);  // the stage's last readers are done
   }
   const int n_owned = max(0, min(p.tile_n, owned - k0));
@@ -246,11 +248,21 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 template <class T, bool kTokenTensors>
 cudaError_t launch_kernel(const BackwardParams& g, const BackwardWorkspace& ws, const int* overflow,
                           bool deterministic, cudaStream_t stream) {
-  const route::RouteParams& p = g.fwd.route;
+  const AttentionParams& a = g.fwd;
+  const route::RouteParams& p = a.route;
   const int max_kv_tiles = route::ceil_div(p.max_seqlen_kv, p.tile_n);
   const dim3 grid(max_kv_tiles, p.heads_kv, p.batch);
+  // Q and dO maps (memoised encodes: a training loop on the same tensors copies them).
+  StepMaps maps{};
+  const fwd::EncodeTiled encode = fwd::tensor_map_encoder();
+  const std::int64_t tokens = p.varlen_q ? ws.geometry.q_rows : p.max_seqlen_q;
+  maps.tma = encode &&
+             fwd::encode_token_map(encode, T::kHeadDim, a.q, a.q_batch_stride, a.q_token_stride, a.q_head_stride,
+                                   p.varlen_q, tokens, p.heads_q, p.batch, 64, maps.q) &&
+             fwd::encode_token_map(encode, T::kHeadDim, g.dout, g.dout_strides.batch, g.dout_strides.token,
+                                   g.dout_strides.head, p.varlen_q, tokens, p.heads_q, p.batch, 64, maps.dout);
   backward_kernel<T, kTokenTensors>
-      <<<grid, T::kThreads, T::kSmemBytes, stream>>>(g, ws, overflow, deterministic ? 1 : 0, max_kv_tiles);
+      <<<grid, T::kThreads, T::kSmemBytes, stream>>>(g, ws, maps, overflow, deterministic ? 1 : 0, max_kv_tiles);
   return cudaGetLastError();
 }
 

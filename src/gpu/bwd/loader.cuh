@@ -1,15 +1,18 @@
-// The producer of the backward CTA: its warpgroup walks the CTA's steps (steps.cuh) and loads,
-// with cp.async (16 bytes per thread and copy, the same swizzled shared layouts the wgmma
-// descriptors read), the KV tile's K and V once, then per step the 64 rows of Q and dO with their
-// LSE and delta into the next free stage, completing on the stage's mbarrier. Rows past the
-// sequence (or the KV tile) are zero-filled, never read: a neighbouring sequence's rows would
-// reach dK / dV through a zero P.
+// The producer of the backward CTA: its warpgroup walks the CTA's steps (steps.cuh) and loads the
+// KV tile's K and V once (cp.async), then per step the 64 rows of Q and dO into the next free
+// stage, by TMA (thread 0: D/64 boxes of 64 x 64 per tensor, the 128-byte swizzled layout the
+// wgmma descriptors read) where the step's rows all lie in the sequence, else by cp.async (16
+// bytes per thread and copy), and its LSE and delta by cp.async; the stage completes on its
+// mbarrier. cp.async zero-fills rows past the sequence (or the KV tile): a neighbouring sequence's
+// rows would reach dK / dV through a zero P. TMA keeps the step's loads out of the load/store
+// queue that the consumers' dQ reductions fill.
 #pragma once
 #include <cutlass/arch/barrier.h>
 
 #include "bsattn/backward_params.hpp"
 #include "gpu/bwd/steps.cuh"
 #include "gpu/bwd/traits.cuh"
+#include "gpu/fwd/producer.cuh"
 
 namespace bsattn::gpu::bwd {
 
@@ -49,23 +52,47 @@ __device__ __forceinline__ void load_kv(typename T::SharedStorage& st, const Att
       a.v_token_stride, n_valid, tid);
 }
 
+// Tensor maps of Q and dO (4-D, boxes of 64 x 64: fwd::encode_token_map); tma 0 where TMA cannot
+// address them (every step then loads by cp.async).
+struct StepMaps {
+  CUtensorMap q, dout;
+  int tma;
+};
+
 // Q, dO, LSE * log2(e) and delta of one step into `stage`. lse_log2 / delta: [Hq][q_rows], the
 // packed row of (b, q) being q_base + q (varlen) or b * Sq + q. The step has at least one row in
 // the sequence (the walk stops at the sequence end).
+// By TMA (tma: the step has 64 rows in the sequence and the maps exist) thread 0 expects the
+// boxes' bytes on the stage's barrier, which is its arrival there (the caller wrote the step
+// first); else every thread copies its share.
 template <class T>
-__device__ __forceinline__ void load_step(typename T::SharedStorage& st, const BackwardParams& g, int b,
-                                          const route::SeqInfo& si, const Step& s, int stage, const float* lse_log2,
-                                          const float* delta, std::int64_t q_rows, int tid) {
+__device__ __forceinline__ void load_step(typename T::SharedStorage& st, const BackwardParams& g, const StepMaps& maps,
+                                          bool tma, int b, const route::SeqInfo& si, const Step& s, int stage,
+                                          const float* lse_log2, const float* delta, std::int64_t q_rows, int tid) {
   using Element = typename T::Element;
+  constexpr int kHeadDim = T::kHeadDim;
   const AttentionParams& a = g.fwd;
   const int rows = min(64, si.seqlen_q - s.q0);
-  Tensor sQ = make_tensor(make_smem_ptr(st.q), typename T::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(st.dout), typename T::SmemLayoutQ{});
-  load_strided_rows<T, 64>(sQ(_, _, stage), static_cast<const Element*>(a.q) + a.q_offset(b, si, s.q0, s.head),
-                           a.q_token_stride, rows, tid);
-  load_strided_rows<T, 64>(sdO(_, _, stage),
-                           static_cast<const Element*>(g.dout) + g.q_like_offset(g.dout_strides, b, si, s.q0, s.head),
-                           g.dout_strides.token, rows, tid);
+  if (tma) {
+    if (tid == 0) {
+      fwd::arrive_expect_tx(&st.full[stage], 2 * 64 * kHeadDim * sizeof(Element));
+      const int token = (a.route.varlen_q ? static_cast<int>(si.q_base) : 0) + s.q0, batch = a.route.varlen_q ? 0 : b;
+      CUTE_UNROLL
+      for (int c = 0; c < kHeadDim / 64; ++c) {
+        const int offset = (stage * kHeadDim + c * 64) * 64;  // the stage's 64 x 64 block c
+        fwd::tma_load_4d(st.q + offset, &maps.q, &st.full[stage], c * 64, token, s.head, batch);
+        fwd::tma_load_4d(st.dout + offset, &maps.dout, &st.full[stage], c * 64, token, s.head, batch);
+      }
+    }
+  } else {
+    Tensor sQ = make_tensor(make_smem_ptr(st.q), typename T::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(st.dout), typename T::SmemLayoutQ{});
+    load_strided_rows<T, 64>(sQ(_, _, stage), static_cast<const Element*>(a.q) + a.q_offset(b, si, s.q0, s.head),
+                             a.q_token_stride, rows, tid);
+    load_strided_rows<T, 64>(sdO(_, _, stage),
+                             static_cast<const Element*>(g.dout) + g.q_like_offset(g.dout_strides, b, si, s.q0, s.head),
+                             g.dout_strides.token, rows, tid);
+  }
   {
     static_assert(T::kProducerThreads == 128, "a thread per LSE and delta value");
     const int r = tid % 64;
@@ -78,12 +105,13 @@ __device__ __forceinline__ void load_step(typename T::SharedStorage& st, const B
 
 // The producer warpgroup (ptid: its thread index). Every thread walks alike and copies its share;
 // each arrives on a stage's full barrier once its copies have landed (cp.async arrive, counted in
-// the barrier's init), thread 0 also after writing the stage's step. After the last step one
-// more stage carries the end of the walk.
+// the barrier's init), thread 0 also after writing the stage's step (with the TMA bytes expected,
+// when the step goes by TMA). After the last step one more stage carries the end of the walk.
 template <class T>
 __device__ __forceinline__ void produce_steps(typename T::SharedStorage& st, const BackwardParams& g,
-                                              const BackwardWorkspace& ws, const StepWalk& walk, int b,
-                                              const route::SeqInfo& si, int k0, int n_valid, int hkv, int ptid) {
+                                              const StepMaps& maps, const BackwardWorkspace& ws, const StepWalk& walk,
+                                              int b, const route::SeqInfo& si, int k0, int n_valid, int hkv,
+                                              int ptid) {
   using Barrier = cutlass::arch::ClusterBarrier;
   load_kv<T>(st, g.fwd, b, si, k0, n_valid, hkv, ptid);
   fwd::cp_async_arrive_noinc(&st.kv_full);
@@ -92,15 +120,18 @@ __device__ __forceinline__ void produce_steps(typename T::SharedStorage& st, con
   for (int i = 0;; ++i) {
     const int stage = i % T::kStages;
     Barrier::wait(&st.empty[stage], ((i / T::kStages) & 1) ^ 1);
-    // The thread index through asm, per step: the copies' shared addresses are then recomputed
-    // each step rather than hoisted out of the loop (live across it, they spilled).
-    if (have) load_step<T>(st, g, b, si, step, stage, ws.lse_log2, ws.delta, ws.geometry.q_rows, fwd::opaque_thread_index());
-    fwd::cp_async_arrive_noinc(&st.full[stage]);
+    const bool tma = have && maps.tma && step.q0 + 64 <= si.seqlen_q;
     if (ptid == 0) {
       st.step[stage] = step;
       if (!have) st.step[stage].head = -1;
-      Barrier::arrive(&st.full[stage]);
+      if (!tma) Barrier::arrive(&st.full[stage]);  // else load_step's expect_tx arrives
     }
+    // The thread index through asm, per step: the copies' shared addresses are then recomputed
+    // each step rather than hoisted out of the loop (live across it, they spilled).
+    if (have)
+      load_step<T>(st, g, maps, tma, b, si, step, stage, ws.lse_log2, ws.delta, ws.geometry.q_rows,
+                   fwd::opaque_thread_index());
+    fwd::cp_async_arrive_noinc(&st.full[stage]);
     if (!have) break;
     have = walk.next(step);
   }

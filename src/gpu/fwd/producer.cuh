@@ -377,24 +377,12 @@ bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDe
   // Memoised: a run on the same addresses and strides copies its maps (tensor_map_memo.hpp).
   const EncodeTiled encode = tensor_map_encoder();
   if (!encode) return false;
-  const std::int64_t e = sizeof(typename T::Element);
-  // A 4-D map (D, tokens, heads, batches; varlen: one batch of all tokens; paged: the pages) with
-  // boxes of 64 x rows x box_heads.
+  static_assert(sizeof(typename T::Element) == 2, "16-bit elements");
   const auto one = [&](const void* base, std::int64_t bs, std::int64_t ts, std::int64_t hs, bool varlen,
                        std::int64_t tokens, int heads, std::int64_t batches, int rows, CUtensorMap& map,
                        int box_heads = 1) {
-    cuuint64_t dims[4] = {static_cast<cuuint64_t>(T::kHeadDim), static_cast<cuuint64_t>(tokens),
-                          static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(varlen ? 1 : batches)};
-    cuuint64_t strides[3] = {static_cast<cuuint64_t>(ts * e), static_cast<cuuint64_t>(hs * e),
-                             static_cast<cuuint64_t>((varlen ? ts * tokens : bs) * e)};
-    if (reinterpret_cast<std::uintptr_t>(base) % 16 || strides[0] % 16 || strides[1] % 16 || strides[2] % 16 ||
-        strides[2] == 0 || dims[1] == 0 || dims[1] > (std::uint64_t(1) << 31))
-      return false;
-    cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), static_cast<cuuint32_t>(box_heads), 1};
-    cuuint32_t estr[4] = {1, 1, 1, 1};
-    return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box, estr,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return encode_token_map(encode, T::kHeadDim, base, bs, ts, hs, varlen, tokens, heads, batches, rows, map,
+                            box_heads);
   };
   const route::RouteParams& p = a.route;
   int kv_rows = T::kPairMulticast ? T::kBlockN / 2 : T::kBlockN;

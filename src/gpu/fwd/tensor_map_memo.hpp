@@ -83,4 +83,26 @@ inline CUresult encode_tiled_memo(CUtensorMap* map, CUtensorMapDataType type, cu
 // What encode_maps calls: the memoised encoder, or null where the driver has none.
 inline EncodeTiled tensor_map_encoder() { return driver_encode_tiled() ? &encode_tiled_memo : nullptr; }
 
+// A 4-D map of a token tensor of 16-bit elements: (D, tokens, heads, batches; varlen: one batch of
+// all tokens; paged: the pages), 128-byte swizzled boxes of 64 x rows x box_heads, the layout the
+// wgmma descriptors read. bs / ts / hs: batch, token and head strides in elements. False where
+// TMA cannot address the tensor (a base or stride not 16-byte aligned, too many tokens).
+inline bool encode_token_map(EncodeTiled encode, int head_dim, const void* base, std::int64_t bs, std::int64_t ts,
+                             std::int64_t hs, bool varlen, std::int64_t tokens, int heads, std::int64_t batches,
+                             int rows, CUtensorMap& map, int box_heads = 1) {
+  constexpr std::int64_t e = 2;
+  cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(tokens),
+                        static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(varlen ? 1 : batches)};
+  cuuint64_t strides[3] = {static_cast<cuuint64_t>(ts * e), static_cast<cuuint64_t>(hs * e),
+                           static_cast<cuuint64_t>((varlen ? ts * tokens : bs) * e)};
+  if (reinterpret_cast<std::uintptr_t>(base) % 16 || strides[0] % 16 || strides[1] % 16 || strides[2] % 16 ||
+      strides[2] == 0 || dims[1] == 0 || dims[1] > (std::uint64_t(1) << 31))
+    return false;
+  cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), static_cast<cuuint32_t>(box_heads), 1};
+  cuuint32_t estr[4] = {1, 1, 1, 1};
+  return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box, estr,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 }  // namespace bsattn::gpu::fwd
