@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   if (tid == 0) {
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&st.full[s], T::kProducerThreads + 1);  // every producer thread's copies, the slot
+      Barrier::init(&st.full[s], T::kProducerThreads + 1);  // every producer thread's copies, the step record
       Barrier::init(&st.empty[s], T::kConsumerThreads / 32);  // the consumer warps
     }
     Barrier::init(&st.kv_full, T::kProducerThreads);
