@@ -22,7 +22,6 @@ namespace bsattn::gpu::bwd {
 using namespace cute;
 using fwd::cp_async_16;
 using fwd::cp_async_4;
-using fwd::cp_async_commit;
 using fwd::wg_gemm;
 
 // Named barriers (hardware ids; 0 is __syncthreads): 1 + c, consumer c's own P (kOwnRows);
