@@ -20,6 +20,7 @@
 
 #include "gpu/attention.hpp"
 #include "gpu/backward.hpp"
+#include "gpu/bwd/dq_tiles.hpp"
 #include "gpu/device_guard.hpp"
 #include "gpu/device_info.hpp"
 #include "gpu/prepare_routes.hpp"
@@ -202,6 +203,8 @@ static bool gpu_backward_geometry(const Problem& pb, const TileShape& tiles, con
   out.columns = static_cast<std::int64_t>(pb.batch) * geo.sparsity_heads * kv_tiles;
   out.column_capacity = geo.max_q_tiles;
   out.semaphores = static_cast<std::int64_t>(pb.batch) * pb.heads_q * geo.max_q_tiles;
+  out.dq_tiles = gpu::bwd::dq_tiles_per_head(geo.tile_m, pb.q_layout == QLayout::varlen, pb.batch, pb.max_seqlen_q,
+                                             pb.total_q);
   return true;
 }
 #else

@@ -59,7 +59,7 @@ struct Offsets {
 Offsets offsets(const BackwardGeometry& g) {
   Offsets o;
   const std::size_t row_values = static_cast<std::size_t>(g.q_rows) * g.heads_q * sizeof(float);
-  o.lse = align256(row_values * g.head_dim);
+  o.lse = align256(static_cast<std::size_t>(g.dq_accum_floats()) * sizeof(float));
   o.delta = o.lse + align256(row_values);
   o.semaphores = o.delta + align256(row_values);
   o.counts = o.semaphores + align256(static_cast<std::size_t>(g.semaphores) * sizeof(std::int32_t));
@@ -106,7 +106,7 @@ cudaError_t run_backward(const BackwardParams& g, const BackwardWorkspace& ws, c
   if (!f || block_n == 0) return cudaErrorInvalidValue;
   const BackwardGeometry& geo = ws.geometry;
   const std::int64_t q_values = geo.q_rows * geo.heads_q;
-  cudaError_t e = cudaMemsetAsync(ws.dq_accum, 0, static_cast<std::size_t>(q_values) * geo.head_dim * sizeof(float), stream);
+  cudaError_t e = cudaMemsetAsync(ws.dq_accum, 0, static_cast<std::size_t>(geo.dq_accum_floats()) * sizeof(float), stream);
   if (e == cudaSuccess && deterministic)
     e = cudaMemsetAsync(ws.semaphores, 0, static_cast<std::size_t>(geo.semaphores) * sizeof(std::int32_t), stream);
   if (e != cudaSuccess) return e;
@@ -127,7 +127,7 @@ cudaError_t run_backward(const BackwardParams& g, const BackwardWorkspace& ws, c
     constexpr int kThreads = 256;
     const std::int64_t chunks = q_values * (geo.head_dim / 8);
     const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((chunks + kThreads - 1) / kThreads, 1 << 16));
-    bwd::convert_dq_kernel<<<blocks, kThreads, 0, stream>>>(g, geo.q_rows, ws.dq_accum, overflow);
+    bwd::convert_dq_kernel<<<blocks, kThreads, 0, stream>>>(g, geo.q_rows, geo.dq_tiles, ws.dq_accum, overflow);
     e = cudaGetLastError();
   }
   return e;

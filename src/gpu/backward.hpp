@@ -27,9 +27,16 @@ struct BackwardGeometry {
   std::int64_t columns = 0;  // B * Hs * max_kv_tiles
   int column_capacity = 0;  // max_q_tiles
   std::int64_t semaphores = 0;  // B * Hq * max_q_tiles (deterministic dQ order)
+  // 64-row tiles per query head of the tiled dQ accumulator (bwd/dq_tiles.hpp), 0 for the
+  // row-major one [q_rows][Hq][D].
+  std::int64_t dq_tiles = 0;
+
+  std::int64_t dq_accum_floats() const {
+    return (dq_tiles > 0 ? dq_tiles * 64 : q_rows) * heads_q * head_dim;
+  }
 };
 
-// Device storage carved from one allocation: dQ accumulator [q_rows][Hq][D] f32, LSE * log2(e)
+// Device storage carved from one allocation: dQ accumulator (f32, tiled or [q_rows][Hq][D]), LSE * log2(e)
 // and delta [Hq][q_rows] f32, dQ order semaphores, column counts and records.
 struct BackwardWorkspace {
   float* dq_accum = nullptr;

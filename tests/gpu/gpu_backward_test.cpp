@@ -21,6 +21,7 @@
 #include "bsattn/route/prepare.hpp"
 #include "formats/bind.hpp"
 #include "gpu/bwd/columns.cuh"
+#include "gpu/bwd/dq_tiles.hpp"
 #include "gpu/bwd/steps.cuh"
 #include "gpu_case.hpp"
 
@@ -492,6 +493,50 @@ TEST(GpuBackwardHost, ColumnWalkCoversEveryRouteOnce) {
       total_steps += walked.size();
     }
   EXPECT_GT(total_steps, 0u);
+}
+
+// The tiled dQ accumulator (gpu/bwd/dq_tiles.hpp) on the host: within a tile, (row, column) ->
+// position is a bijection onto [0, 64 D), and it is the order the kernel adds in (value e of
+// thread t of region w of the SM90 accumulator at ((e / 4) * 128 + t) * 4 + e % 4; the kernel
+// checks the fragment's value layout at compile time). Sequences' padded tile ranges are
+// disjoint and inside the tiles a head has, varlen with random lengths included.
+TEST(GpuBackwardHost, TiledDqLayout) {
+  using namespace bsattn::gpu::bwd;
+  for (int d : {64, 128, 256}) {
+    SCOPED_TRACE(d);
+    const int regions = dq_warpgroups(d), n = d / regions;
+    std::vector<int> seen(64 * d, 0);
+    for (int w = 0; w < regions; ++w)
+      for (int t = 0; t < 128; ++t)
+        for (int e = 0; e < n / 2; ++e) {
+          const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((e / 2) % 2);
+          const int col = w * n + 2 * (t % 4) + 8 * (e / 4) + e % 2;
+          const int pos = dq_tile_position(row, col, d);
+          ASSERT_EQ(pos, w * 64 * n + ((e / 4) * 128 + t) * 4 + e % 4) << "row " << row << " col " << col;
+          ++seen[pos];
+        }
+    for (int i = 0; i < 64 * d; ++i) ASSERT_EQ(seen[i], 1) << "position " << i;
+  }
+  std::mt19937 rng(4711);
+  for (int trial = 0; trial < 200; ++trial) {
+    bsattn::route::RouteParams p;
+    p.batch = 1 + static_cast<int>(rng() % 9);
+    p.varlen_q = trial % 2 == 0;
+    std::vector<std::int32_t> cu(p.batch + 1, 0);
+    for (int b = 0; b < p.batch; ++b) cu[b + 1] = cu[b] + static_cast<int>(rng() % 300);
+    p.cu_seqlens_q = cu.data();
+    p.max_seqlen_q = 1 + static_cast<int>(rng() % 300);
+    const std::int64_t tiles = dq_tiles_per_head(64, p.varlen_q, p.batch, p.max_seqlen_q, cu[p.batch]);
+    ASSERT_EQ(dq_tiles_per_head(32, p.varlen_q, p.batch, p.max_seqlen_q, cu[p.batch]), 0);
+    std::int64_t previous_end = 0;
+    for (int b = 0; b < p.batch; ++b) {
+      const std::int64_t start = dq_padded_start(p, b), len = p.varlen_q ? cu[b + 1] - cu[b] : p.max_seqlen_q;
+      ASSERT_EQ(start % 64, 0);
+      ASSERT_GE(start, previous_end) << "sequence " << b << " overlaps the previous one";
+      previous_end = start + (len + 63) / 64 * 64;
+      ASSERT_LE(previous_end, tiles * 64);
+    }
+  }
 }
 
 }  // namespace

@@ -1,8 +1,9 @@
 // dQ of one step: dQ = dS K (64 x D x kBlockN, from shared memory), added into the fp32
-// accumulator [q_rows][Hq][D] (dq_accum; scaled and rounded by the conversion kernel in rows.cuh).
+// accumulator (dq_accum; tiled where steps start at multiples of 64, dq_tiles.hpp, else
+// [q_rows][Hq][D]; scaled and rounded by the conversion kernel in rows.cuh).
 // Two orders:
-//  * default: vector reductions (red.global.add.v2.f32) in whatever order the CTAs reach a row: fast, but
-//    the float sums of a dQ element differ from run to run in the last bits;
+//  * default: vector reductions in whatever order the CTAs reach a row: fast, but the float sums
+//    of a dQ element differ from run to run in the last bits;
 //  * deterministic: the contributions to a (batch, head, Q tile) are added in the order of the
 //    row's routes. A semaphore per (batch, head, Q tile) counts the routes added; the CTA of the
 //    route at position j waits until it reads j, adds, and writes j + 1 after its last step of
@@ -10,6 +11,7 @@
 //    have lower block indices and so were started no later: no wait can close a cycle.
 #pragma once
 #include "gpu/backward.hpp"
+#include "gpu/bwd/dq_tiles.hpp"
 #include "gpu/bwd/steps.cuh"
 #include "gpu/bwd/traits.cuh"
 
@@ -27,6 +29,20 @@ __device__ __forceinline__ void store_release(int* p, int v) {
 __device__ __forceinline__ void red_add_v2(float* p, float x, float y, bool pred) {
   if (pred) asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
 }
+__device__ __forceinline__ void red_add_v4(float* p, float x, float y, float z, float w) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
+
+// Whether a thread's accumulator fragment (offsets of its values from its first, (row, column))
+// is the SM90 fp32 layout dq_tiles.hpp assumes: value e at (8 ((e / 2) % 2), 8 (e / 4) + e % 2).
+template <class Layout>
+constexpr bool standard_fragment(Layout layout) {
+  for (int e = 0; e < int(size(layout)); ++e) {
+    const auto o = layout(e);
+    if (int(get<0>(o)) != 8 * ((e / 2) % 2) || int(get<1>(o)) != 8 * (e / 4) + e % 2) return false;
+  }
+  return true;
+}
 
 // dQ = dS K of the step into `acc` (a fragment of T::MmaDQ over 64 x D), issued as one wgmma
 // group and not waited for: the caller waits where it needs the result. Run by the dQ warpgroups
@@ -40,11 +56,35 @@ __device__ __forceinline__ void issue_dq_gemm(typename T::SharedStorage& st, int
   wg_gemm<true, false>(mma, thr.partition_fragment_A(sdS), thr.partition_fragment_B(sKt), acc);
 }
 
-// Adds the step's completed dQ fragment into the fp32 accumulator. A thread holds, per row it
-// touches, pairs of adjacent columns (the wgmma accumulator layout: value mode 0 steps one
-// column, checked below), so each pair is one 8-byte vector reduction (red.global.add.v2.f32):
-// the four threads of a quad cover 32 contiguous bytes of a row, one full sector, and a thread
-// issues half as many reductions as with scalar atomics (whose sectors were half used).
+// The row-major accumulator [q_rows][Hq][D]: a thread holds, per row it touches, pairs of
+// adjacent columns (checked in add_dq), so each pair is one 8-byte vector reduction
+// (red.global.add.v2.f32) and the four threads of a quad cover 32 contiguous bytes of a row.
+// Addresses from the thread's first element plus compile-time offsets (the fragment's layout is
+// static), so each reduction costs one 64-bit add at most; rows past the sequence are skipped.
+template <class T, class Acc, class Coords>
+__device__ __forceinline__ void add_dq_rows(const Acc& acc, const Coords& c, const Step& step,
+                                            const BackwardWorkspace& ws, std::int64_t packed_base,
+                                            const route::RouteParams& p, const route::SeqInfo& si) {
+  constexpr int kHeadDim = T::kHeadDim;
+  const int rows = si.seqlen_q - step.q0;
+  const std::int64_t row_stride = static_cast<std::int64_t>(p.heads_q) * kHeadDim;
+  const int row0 = get<0>(c(0)), col0 = get<1>(c(0));
+  float* base = ws.dq_accum + ((packed_base + step.q0 + row0) * p.heads_q + step.head) * kHeadDim + col0;
+  const auto add = [&](auto all_rows) {
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc); e += 2) {
+      const auto offset = c.layout()(e);  // (row, column) offset from element 0, compile-time
+      const int dr = get<0>(offset), dc = get<1>(offset);
+      red_add_v2(base + dr * row_stride + dc, acc(e), acc(e + 1), decltype(all_rows)::value || row0 + dr < rows);
+    }
+  };
+  // Block-uniform: every step but a sequence's last has all 64 rows (no predicates there).
+  if (rows >= 64) add(std::true_type{});
+  else add(std::false_type{});
+}
+
+// Adds the step's completed dQ fragment into the fp32 accumulator: the tiled one (dq_tiles.hpp)
+// or the row-major one (add_dq_rows), in the deterministic order when asked.
 template <class T, class Acc>
 __device__ __forceinline__ void add_dq(const Acc& acc, const Step& step, const BackwardWorkspace& ws,
                                        std::int64_t packed_base, const AttentionParams& a,
@@ -68,23 +108,20 @@ __device__ __forceinline__ void add_dq(const Acc& acc, const Step& step, const B
       }
     fwd::barrier_sync(kOrderBarrier, kThreads);
   }
-  // Addresses from the thread's first element plus compile-time offsets (the fragment's layout
-  // is static), so each reduction costs one 64-bit add at most.
-  const int rows = si.seqlen_q - step.q0;
-  const std::int64_t row_stride = static_cast<std::int64_t>(heads) * kHeadDim;
-  const int row0 = get<0>(c(0)), col0 = get<1>(c(0));
-  float* base = ws.dq_accum + ((packed_base + step.q0 + row0) * heads + step.head) * kHeadDim + col0;
-  const auto add = [&](auto all_rows) {
+  if (ws.geometry.dq_tiles > 0) {
+    // Tiled accumulator: the fragment's values in order, 16 bytes per reduction, no predicates
+    // (rows past the sequence hold zeros or are never converted: dq_tiles.hpp).
+    static_assert(standard_fragment(decltype(c.layout()){}), "the accumulator layout dq_tiles.hpp assumes");
+    constexpr int kRegion = 64 * (kHeadDim / T::kDqWarpgroups);
+    const std::int64_t tile = (dq_padded_start(p, b) + step.q0) / 64;
+    float* base = ws.dq_accum + dq_tile_offset(ws.geometry.dq_tiles, step.head, tile, kHeadDim) +
+                  (dq_tid / 128) * kRegion + (dq_tid % 128) * 4;
     CUTE_UNROLL
-    for (int e = 0; e < size(acc); e += 2) {
-      const auto offset = c.layout()(e);  // (row, column) offset from element 0, compile-time
-      const int dr = get<0>(offset), dc = get<1>(offset);
-      red_add_v2(base + dr * row_stride + dc, acc(e), acc(e + 1), decltype(all_rows)::value || row0 + dr < rows);
-    }
-  };
-  // Block-uniform: every step but a sequence's last has all 64 rows (no predicates there).
-  if (rows >= 64) add(std::true_type{});
-  else add(std::false_type{});
+    for (int j = 0; j < size(acc) / 4; ++j)
+      red_add_v4(base + j * 512, acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+  } else {
+    add_dq_rows<T>(acc, c, step, ws, packed_base, p, si);
+  }
   if (deterministic && record_done) {
     __threadfence();  // this thread's adds are performed before the semaphore moves on
     fwd::barrier_sync(kOrderBarrier, kThreads);

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "bsattn/backward_params.hpp"
+#include "gpu/bwd/dq_tiles.hpp"
 #include "gpu/bwd/elements.cuh"
 
 namespace bsattn::gpu::bwd {
@@ -55,9 +56,45 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   }
 }
 
-// dq = scale * accumulator, 8 elements of one (row, head) per thread (D % 8 == 0).
-__global__ void convert_dq_kernel(const BackwardParams g, std::int64_t q_rows, const float* dq_accum,
-                                  const int* overflow) {
+// 8 accumulated values of (packed row, head h, columns [col, col + 8)) of the tiled accumulator
+// (dq_tiles.hpp): zeros for a row past its sequence's attended rows (never added, or holding what
+// the masked rows of a step gave). Varlen finds the row's sequence by binary search.
+__device__ __forceinline__ void load_tiled_dq(const route::RouteParams& p, std::int64_t tiles_per_head,
+                                              const float* dq_accum, std::int64_t row, int h, int col, int d,
+                                              float x[8]) {
+  int b = 0, q = 0;
+  if (p.varlen_q) {
+    int lo = 0, hi = p.batch - 1;  // the last b with cu_seqlens_q[b] <= row
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (p.cu_seqlens_q[mid] <= row) lo = mid;
+      else hi = mid - 1;
+    }
+    b = lo;
+    q = static_cast<int>(row - p.cu_seqlens_q[b]);
+  } else {
+    b = static_cast<int>(row / p.max_seqlen_q);
+    q = static_cast<int>(row % p.max_seqlen_q);
+  }
+  if (q >= route::seq_info(p, b).seqlen_q) {
+    for (int i = 0; i < 8; ++i) x[i] = 0.0f;
+    return;
+  }
+  const std::int64_t padded = dq_padded_start(p, b) + q;
+  const float* tile = dq_accum + dq_tile_offset(tiles_per_head, h, padded / 64, d);
+  const int r = static_cast<int>(padded % 64);
+#pragma unroll
+  for (int i = 0; i < 8; i += 2) {  // column pairs are adjacent in a tile
+    const float2 v = *reinterpret_cast<const float2*>(tile + dq_tile_position(r, col + i, d));
+    x[i] = v.x;
+    x[i + 1] = v.y;
+  }
+}
+
+// dq = scale * accumulator, 8 elements of one (row, head) per thread (D % 8 == 0), from the tiled
+// (tiles_per_head > 0) or the row-major accumulator.
+__global__ void convert_dq_kernel(const BackwardParams g, std::int64_t q_rows, std::int64_t tiles_per_head,
+                                  const float* dq_accum, const int* overflow) {
   if (*overflow != 0) return;
   const AttentionParams& a = g.fwd;
   const int d = a.head_dim, heads = a.route.heads_q;
@@ -68,9 +105,14 @@ __global__ void convert_dq_kernel(const BackwardParams g, std::int64_t q_rows, c
     const int col = static_cast<int>(c % (d / 8)) * 8, h = static_cast<int>(rh % heads);
     const PackedRow r = packed_row(a.route, rh / heads);
     const std::int64_t dst = g.q_like_offset(g.dq_strides, r.b, r.si, r.q, h) + col;
-    const float4* src = reinterpret_cast<const float4*>(dq_accum + rh * d + col);
-    const float4 lo = src[0], hi = src[1];
-    const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    float x[8];
+    if (tiles_per_head > 0) {
+      load_tiled_dq(a.route, tiles_per_head, dq_accum, rh / heads, h, col, d, x);
+    } else {
+      const float4* src = reinterpret_cast<const float4*>(dq_accum + rh * d + col);
+      const float4 lo = src[0], hi = src[1];
+      x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+    }
 #pragma unroll
     for (int i = 0; i < 8; ++i) store_element(g.dq, dst + i, g.dq_type, x[i] * a.scale);
   }

@@ -14,6 +14,7 @@
 #pragma once
 #include <cute/atom/copy_traits_sm90.hpp>
 
+#include "gpu/bwd/dq_tiles.hpp"
 #include "gpu/bwd/steps.cuh"
 #include "gpu/fwd/utils.cuh"
 
@@ -42,7 +43,7 @@ struct Traits {
   static constexpr int kConsumerRegs = 232;
   static constexpr bool kOwnRows = kBlockN == 128;
   // dQ = dS K: split along D over both consumers where each half fills a 64-wide swizzle atom.
-  static constexpr int kDqWarpgroups = kHeadDim >= 128 ? 2 : 1;
+  static constexpr int kDqWarpgroups = dq_warpgroups(kHeadDim);
   static constexpr int kDqWarpgroup0 = 2 - kDqWarpgroups;  // first consumer that computes dQ
   // dQ's GEMM issued before dK / dV's, its adds under theirs (both consumers compute dQ). Not at
   // D 256: its 64 dQ accumulators per thread beside dK / dV's 128 would not fit.
