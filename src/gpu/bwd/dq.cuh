@@ -1,6 +1,11 @@
 // dQ of one step: dQ = dS K (64 x D x kBlockN, from shared memory), added into the fp32
 // accumulator (dq_accum; tiled where steps start at multiples of 64, dq_tiles.hpp, else
-// [q_rows][Hq][D]; scaled and rounded by the conversion kernel in rows.cuh).
+// [q_rows][Hq][D]; scaled and rounded by the conversion kernel in rows.cuh). Into the tiled
+// accumulator a dQ warpgroup stages its region in shared memory (T::kDqBulk: 16-byte stores in
+// fragment order, conflict-free) and one of its threads adds it with a single bulk reduction
+// (cp.reduce.async.bulk .add.f32, performed by the TMA unit), so the consumers issue no global
+// reductions and their registers are free as soon as they are stored; otherwise each thread adds
+// its values with vector reductions.
 // Two orders:
 //  * default: vector reductions in whatever order the CTAs reach a row: fast, but the float sums
 //    of a dQ element differ from run to run in the last bits;
@@ -29,6 +34,17 @@ __device__ __forceinline__ void store_release(int* p, int v) {
 __device__ __forceinline__ void red_add_v2(float* p, float x, float y, bool pred) {
   if (pred) asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
 }
+// Adds `bytes` of shared memory into global memory (one bulk async-group).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(src));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               "cp.async.bulk.commit_group;\n" ::"l"(dst),
+               "r"(s), "r"(bytes)
+               : "memory");
+}
+// Orders this thread's completed bulk operations on global memory with its generic accesses.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+
 __device__ __forceinline__ void red_add_v4(float* p, float x, float y, float z, float w) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
 }
@@ -83,48 +99,75 @@ __device__ __forceinline__ void add_dq_rows(const Acc& acc, const Coords& c, con
   else add(std::false_type{});
 }
 
-// Adds the step's completed dQ fragment into the fp32 accumulator: the tiled one (dq_tiles.hpp)
-// or the row-major one (add_dq_rows), in the deterministic order when asked.
+// The thread of a dQ warpgroup that issues its bulk reductions (T::kDqBulk).
+__device__ __forceinline__ bool dq_bulk_leader(int dq_tid) { return dq_tid % 128 == 0; }
+
+// Adds the step's completed dQ fragment into the fp32 accumulator: the tiled one (dq_tiles.hpp;
+// staged and bulk-added where T::kDqBulk) or the row-major one (add_dq_rows), in the deterministic
+// order when asked. With bulk adds the stage must be free: the caller's leaders waited for their
+// previous reductions' reads (fwd::bulk_store_wait<true>) before a barrier of both consumers.
 template <class T, class Acc>
-__device__ __forceinline__ void add_dq(const Acc& acc, const Step& step, const BackwardWorkspace& ws,
-                                       std::int64_t packed_base, const AttentionParams& a,
-                                       const route::SeqInfo& si, int b, bool deterministic, bool record_done,
-                                       int dq_tid) {
+__device__ __forceinline__ void add_dq(const Acc& acc, typename T::SharedStorage& st, const Step& step,
+                                       const BackwardWorkspace& ws, std::int64_t packed_base,
+                                       const AttentionParams& a, const route::SeqInfo& si, int b, bool deterministic,
+                                       bool record_done, int dq_tid) {
   constexpr int kHeadDim = T::kHeadDim, kThreads = 128 * T::kDqWarpgroups;
-  constexpr int kOrderBarrier = kDqOrderBarrier;
+  constexpr int kRegion = 64 * (kHeadDim / T::kDqWarpgroups);  // floats of a warpgroup's region
   typename T::MmaDQ mma;
   auto thr = mma.get_thread_slice(dq_tid);
   Tensor c = thr.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
-  static_assert(decltype(size(acc))::value % 2 == 0 &&
+  static_assert(decltype(size(acc))::value % 4 == 0 &&
                     cute::is_same_v<std::decay_t<decltype(stride<0, 0>(c.layout()))>, std::decay_t<decltype(E<1>{})>>,
                 "adjacent fragment values are adjacent columns of one row");
 
   const route::RouteParams& p = a.route;
-  const int heads = p.heads_q;
-  int* semaphore = ws.semaphores + (static_cast<std::int64_t>(b) * heads + step.head) * p.max_q_tiles + step.route.q_tile;
+  const bool tiled = ws.geometry.dq_tiles > 0, bulk = T::kDqBulk && tiled;
+  const int region = dq_tid / 128, lane = dq_tid % 128;
+  if constexpr (T::kDqBulk) {
+    if (bulk) {
+      static_assert(standard_fragment(decltype(c.layout()){}), "the accumulator layout dq_tiles.hpp assumes");
+      float* staged = st.dq.data + region * kRegion + lane * 4;
+      CUTE_UNROLL
+      for (int j = 0; j < size(acc) / 4; ++j)
+        *reinterpret_cast<float4*>(staged + j * 512) = make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+      cutlass::arch::fence_view_async_shared();  // the stores before the bulk reduction reads them
+    }
+  }
+  int* semaphore =
+      ws.semaphores + (static_cast<std::int64_t>(b) * p.heads_q + step.head) * p.max_q_tiles + step.route.q_tile;
   if (deterministic) {
-    if (dq_tid == 0)
+    if (dq_tid == 0) {
       while (load_acquire(semaphore) != step.route.position) {
       }
-    fwd::barrier_sync(kOrderBarrier, kThreads);
+      fence_proxy_async_global();  // the earlier routes' adds before this one's bulk reduction
+    }
+    fwd::barrier_sync(kDqOrderBarrier, kThreads);
+  } else if (bulk) {
+    fwd::barrier_sync(kDqStagedBarrier + region, 128);
   }
-  if (ws.geometry.dq_tiles > 0) {
-    // Tiled accumulator: the fragment's values in order, 16 bytes per reduction, no predicates
-    // (rows past the sequence hold zeros or are never converted: dq_tiles.hpp).
-    static_assert(standard_fragment(decltype(c.layout()){}), "the accumulator layout dq_tiles.hpp assumes");
-    constexpr int kRegion = 64 * (kHeadDim / T::kDqWarpgroups);
+  if (tiled) {
     const std::int64_t tile = (dq_padded_start(p, b) + step.q0) / 64;
-    float* base = ws.dq_accum + dq_tile_offset(ws.geometry.dq_tiles, step.head, tile, kHeadDim) +
-                  (dq_tid / 128) * kRegion + (dq_tid % 128) * 4;
-    CUTE_UNROLL
-    for (int j = 0; j < size(acc) / 4; ++j)
-      red_add_v4(base + j * 512, acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+    float* dst = ws.dq_accum + dq_tile_offset(ws.geometry.dq_tiles, step.head, tile, kHeadDim) + region * kRegion;
+    if constexpr (T::kDqBulk) {
+      if (dq_bulk_leader(dq_tid)) bulk_reduce_add(dst, st.dq.data + region * kRegion, kRegion * 4);
+    } else {
+      // The fragment's values in order, 16 bytes per reduction, no predicates (rows past the
+      // sequence hold zeros or are never converted: dq_tiles.hpp).
+      static_assert(standard_fragment(decltype(c.layout()){}), "the accumulator layout dq_tiles.hpp assumes");
+      CUTE_UNROLL
+      for (int j = 0; j < size(acc) / 4; ++j)
+        red_add_v4(dst + (lane + j * 128) * 4, acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+    }
   } else {
     add_dq_rows<T>(acc, c, step, ws, packed_base, p, si);
   }
   if (deterministic && record_done) {
+    if (bulk && dq_bulk_leader(dq_tid)) {
+      fwd::bulk_store_wait<false>();  // the bulk reduction has completed
+      fence_proxy_async_global();
+    }
     __threadfence();  // this thread's adds are performed before the semaphore moves on
-    fwd::barrier_sync(kOrderBarrier, kThreads);
+    fwd::barrier_sync(kDqOrderBarrier, kThreads);
     if (dq_tid == 0) store_release(semaphore, step.route.position + 1);
   }
 }

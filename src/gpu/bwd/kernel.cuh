@@ -27,18 +27,42 @@
 
 namespace bsattn::gpu::bwd {
 
-// dV += P^T dO or dK += dS^T Q of 64 KV rows: `block` is the 64 x 64 block of P or dS (its KV
-// columns are the GEMM's rows), `staged` dO or Q (all stages; the B operand is its transpose).
-template <class T, class Acc>
-__device__ __forceinline__ void issue_dkv_gemm(const typename T::Element* block, const typename T::Element* staged,
-                                               int stage, Acc& acc, int consumer_tid) {
+// dV += P^T dO or dK += dS^T Q of 64 KV rows. `a`: P^T or dS^T, the register A operand
+// (kOwnRows), or the 64 x 64 block of P or dS in shared memory whose KV columns are the GEMM's rows;
+// `staged`: dO or Q (all stages; the B operand is its transpose).
+template <class T, class A, class Acc>
+__device__ __forceinline__ void issue_dkv_gemm(const A& a, const typename T::Element* staged, int stage, Acc& acc,
+                                               int consumer_tid) {
   typename T::MmaDKV mma;
   auto thr = mma.get_thread_slice(consumer_tid % 128);
-  Tensor a = make_tensor(make_smem_ptr(block), typename T::SmemLayoutBlockT{});
   Tensor bt = make_tensor(make_smem_ptr(staged), typename T::SmemLayoutQt{});
   // The stage is picked among the operand descriptors: a slice of the swizzled layout itself would
   // keep its offset inside the layout, where the descriptors do not see it.
-  wg_gemm<false, false>(mma, thr.partition_fragment_A(a), thr.partition_fragment_B(bt)(_, _, _, stage), acc);
+  if constexpr (T::kOwnRows) {
+    wg_gemm<false, true>(mma, a, thr.partition_fragment_B(bt)(_, _, _, stage), acc);
+  } else {
+    Tensor sa = make_tensor(make_smem_ptr(a), typename T::SmemLayoutBlockT{});
+    wg_gemm<false, false>(mma, thr.partition_fragment_A(sa), thr.partition_fragment_B(bt)(_, _, _, stage), acc);
+  }
+}
+
+// A score tile's (row, column) view as (query row, KV column): kOwnRows scores are transposed.
+template <class Tensor_>
+__device__ __forceinline__ auto query_major_of(Tensor_&& t, std::true_type) {
+  return make_tensor(t.data(), make_layout(layout<1>(t), layout<0>(t)));
+}
+template <class Tensor_>
+__device__ __forceinline__ auto query_major_of(Tensor_&& t, std::false_type) {
+  return t;
+}
+
+// Coordinates (query row, KV column) of the score tile's elements, in the tile's own orientation.
+template <class T>
+__device__ __forceinline__ auto score_coordinates() {
+  if constexpr (T::kOwnRows)
+    return make_coord_tensor(make_layout(Shape<Int<T::kBlockN>, _64>{}, make_stride(E<1>{}, E<0>{})));
+  else
+    return make_identity_tensor(Shape<_64, Int<T::kBlockN>>{});
 }
 
 // kTokenTensors: the forward's mask policy (RouteMask::apply), picked by problem at launch.
@@ -99,6 +123,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   clear(acc_dkv);
   if constexpr (T::kOwnRows) clear(acc_dk);
   const float scale_log2 = a.scale * float(M_LOG2E);
+  using ScoreShape = std::conditional_t<T::kOwnRows, Shape<Int<kBlockN>, _64>, Shape<_64, Int<kBlockN>>>;
+  const auto query_major = [](auto&& t) { return query_major_of(t, std::bool_constant<T::kOwnRows>{}); };
   Barrier::wait(&st.kv_full, 0);
 
   for (int i = 0;; ++i) {
@@ -107,7 +133,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const Step step = st.step[stage];
     if (step.head < 0) break;
     const unsigned units = walk.step_units(step.sub);
-    const int p_buffer = T::kPBuffers == 1 ? 0 : i % 2, ds_buffer = i % 2;
+    const int p_buffer = i % 2, ds_buffer = i % 2;
 
     // Thread-dependent operand views are derived per step from an opaque thread index: hoisted
     // out of the step loop, their descriptors and addresses would stay live across it and spill.
@@ -117,24 +143,30 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     Tensor sdO = make_tensor(make_smem_ptr(st.dout), typename T::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(st.v), typename T::SmemLayoutK{});
-    Tensor sP = make_tensor(make_smem_ptr(st.p[p_buffer]), typename T::SmemLayoutP{});
-    Tensor sdS = make_tensor(make_smem_ptr(st.ds[ds_buffer]), typename T::SmemLayoutP{});
 
-    // S and dP.
-    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, Int<kBlockN>>{});
-    Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<_64, Int<kBlockN>>{});
-    wg_gemm<true, false>(mma_sdp, thr_sdp.partition_fragment_A(sQ)(_, _, _, stage), thr_sdp.partition_fragment_B(sK),
-                         tSrS);
-    wg_gemm<true, false>(mma_sdp, thr_sdp.partition_fragment_A(sdO)(_, _, _, stage),
-                         thr_sdp.partition_fragment_B(sV), tdPrdP);
-    // S is complete (dP may still run): the route mask exactly as in the forward, P, and P to
-    // shared memory under the dP GEMM.
+    // S and dP (kOwnRows: S^T = K Q^T and dP^T = V dO^T).
+    Tensor tSrS = partition_fragment_C(mma_sdp, ScoreShape{});
+    Tensor tdPrdP = partition_fragment_C(mma_sdp, ScoreShape{});
+    if constexpr (T::kOwnRows) {
+      wg_gemm<true, false>(mma_sdp, thr_sdp.partition_fragment_A(sK),
+                           thr_sdp.partition_fragment_B(sQ)(_, _, _, stage), tSrS);
+      wg_gemm<true, false>(mma_sdp, thr_sdp.partition_fragment_A(sV),
+                           thr_sdp.partition_fragment_B(sdO)(_, _, _, stage), tdPrdP);
+    } else {
+      wg_gemm<true, false>(mma_sdp, thr_sdp.partition_fragment_A(sQ)(_, _, _, stage),
+                           thr_sdp.partition_fragment_B(sK), tSrS);
+      wg_gemm<true, false>(mma_sdp, thr_sdp.partition_fragment_A(sdO)(_, _, _, stage),
+                           thr_sdp.partition_fragment_B(sV), tdPrdP);
+    }
+    // S is complete (dP may still run): the route mask exactly as in the forward, P, and P out
+    // (registers or shared memory) under the dP GEMM. The views below are (query row, KV column)
+    // in either orientation.
     warpgroup_wait<1>();
     warpgroup_fence_operand(tSrS);
-    Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, Int<kBlockN>>{}));
-    Tensor s_rc = make_tensor(tSrS.data(), fwd::acc_rowcol(tSrS.layout()));
-    Tensor dp_rc = make_tensor(tdPrdP.data(), fwd::acc_rowcol(tdPrdP.layout()));
-    Tensor c_rc = make_tensor(cS.data(), fwd::acc_rowcol(cS.layout()));
+    Tensor s_rc = query_major(make_tensor(tSrS.data(), fwd::acc_rowcol(tSrS.layout())));
+    Tensor dp_rc = query_major(make_tensor(tdPrdP.data(), fwd::acc_rowcol(tdPrdP.layout())));
+    Tensor cS = thr_sdp.partition_C(score_coordinates<T>());
+    Tensor c_rc = query_major(make_tensor(cS.data(), fwd::acc_rowcol(cS.layout())));
     const ColumnRoute& route = step.route;
     if ((route.masked & units) != 0 || (route.rows & units) != units || step.q0 + 64 > si.seqlen_q ||
         n_valid < kBlockN) {
@@ -154,23 +186,27 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s_rc); ++c) s_rc(r, c) = fwd::exp2_ftz(s_rc(r, c) * scale_log2 - lse);
     }
-    // P and dS to shared memory in the input dtype by stmatrix (8 x 8 matrices, 16 bytes per
-    // thread and instruction), each consumer its KV columns.
-    auto copy_pds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
-    auto thr_copy = copy_pds.get_thread_slice(ltid);
-    {
-      Tensor rP = make_fragment_like<Element>(tSrS);
+    // P and dS in the input dtype: kOwnRows, as the register A operand of dV / dK (dS also to
+    // shared memory, transposed, for dQ); else to shared memory. stmatrix: 8 x 8 matrices, 16
+    // bytes per thread and instruction.
+    Tensor rP = make_tensor<Element>(fwd::acc_as_a_operand(tSrS.layout()));
+    Tensor rdS = make_tensor<Element>(fwd::acc_as_a_operand(tdPrdP.layout()));
+    const auto to_element = [](auto& dst, const auto& acc) {
+      Tensor src = make_tensor(acc.data(), fwd::acc_as_a_operand(acc.layout()));
       CUTE_UNROLL
-      for (int e = 0; e < size(tSrS); ++e) rP(e) = static_cast<Element>(tSrS(e));
-      cute::copy(copy_pds, thr_copy.retile_S(rP), thr_copy.partition_D(sP));
-    }
+      for (int e = 0; e < size(dst); ++e) dst(e) = static_cast<Element>(src(e));
+    };
+    using StoreAtom = std::conditional_t<T::kOwnRows, SM90_U16x8_STSM_T, SM90_U32x4_STSM_N>;
+    auto copy_pds = make_tiled_copy_C(Copy_Atom<StoreAtom, Element>{}, mma_sdp);
+    auto thr_copy = copy_pds.get_thread_slice(ltid);
+    to_element(rP, tSrS);
     if constexpr (T::kOwnRows) {
-      // dV of the consumer's KV rows needs only its own P: issued now, under dS.
-      cutlass::arch::fence_view_async_shared();  // P (generic-proxy stores) before the wgmma reads
-      fwd::barrier_sync(kOwnPBarrier + wg, 128);
-      issue_dkv_gemm<T>(st.p[0] + wg * T::kBlockElements, st.dout, stage, acc_dkv, ltid);
+      // dV of the consumer's KV rows from its own P^T: issued now, under dS.
+      issue_dkv_gemm<T>(rP, st.dout, stage, acc_dkv, ltid);
       warpgroup_wait<1>();  // S and dP complete, dV in flight
     } else {
+      Tensor sP = make_tensor(make_smem_ptr(st.p.data + p_buffer * 64 * kBlockN), typename T::SmemLayoutP{});
+      cute::copy(copy_pds, thr_copy.retile_S(make_tensor(rP.data(), tSrS.layout())), thr_copy.partition_D(sP));
       warpgroup_wait<0>();
     }
     warpgroup_fence_operand(tdPrdP);
@@ -180,27 +216,31 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s_rc); ++c) dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - delta);
     }
+    to_element(rdS, tdPrdP);
     {
-      Tensor rdS = make_fragment_like<Element>(tdPrdP);
-      CUTE_UNROLL
-      for (int e = 0; e < size(tdPrdP); ++e) rdS(e) = static_cast<Element>(tdPrdP(e));
-      cute::copy(copy_pds, thr_copy.retile_S(rdS), thr_copy.partition_D(sdS));
+      using DsLayout = std::conditional_t<T::kOwnRows, typename T::SmemLayoutPt, typename T::SmemLayoutP>;
+      Tensor sdS = make_tensor(make_smem_ptr(st.ds[ds_buffer]), DsLayout{});
+      cute::copy(copy_pds, thr_copy.retile_S(make_tensor(rdS.data(), tdPrdP.layout())), thr_copy.partition_D(sdS));
     }
     cutlass::arch::fence_view_async_shared();  // P and dS (generic-proxy stores) before the wgmma reads
+    const bool dq_warpgroup = wg >= T::kDqWarpgroup0;
+    const int dq_tid = ltid - 128 * T::kDqWarpgroup0;
+    // The previous step's staged dQ has been read by its bulk reductions before anyone passes the
+    // barrier and stores this step's (issued a whole step ago: no wait in practice).
+    if constexpr (T::kDqBulk)
+      if (dq_warpgroup && dq_bulk_leader(dq_tid)) fwd::bulk_store_wait<true>();
     fwd::barrier_sync(kStepBarrier, T::kConsumerThreads);
 
     // dK (and, 64-wide tiles, dV) and dQ. dQ's GEMM goes first where both consumers compute it,
     // so its adds run under the dK / dV GEMM.
-    const bool dq_warpgroup = wg >= T::kDqWarpgroup0;
-    const int dq_tid = ltid - 128 * T::kDqWarpgroup0;
     const auto add_dq_after = [&](auto& acc_dq) {
       warpgroup_fence_operand(acc_dq);
-      add_dq<T>(acc_dq, step, ws, packed_base, a, si, b, deterministic != 0, deterministic != 0 && walk.last_of_record(step),
+      add_dq<T>(acc_dq, st, step, ws, packed_base, a, si, b, deterministic != 0, deterministic != 0 && walk.last_of_record(step),
                 dq_tid);
     };
     const auto issue_dkv = [&]() {
-      if constexpr (T::kOwnRows) issue_dkv_gemm<T>(st.ds[ds_buffer] + wg * T::kBlockElements, st.q, stage, acc_dk, ltid);
-      else if (wg == 0) issue_dkv_gemm<T>(st.p[p_buffer], st.dout, stage, acc_dkv, ltid);
+      if constexpr (T::kOwnRows) issue_dkv_gemm<T>(rdS, st.q, stage, acc_dk, ltid);
+      else if (wg == 0) issue_dkv_gemm<T>(st.p.data + p_buffer * 64 * kBlockN, st.dout, stage, acc_dkv, ltid);
       else issue_dkv_gemm<T>(st.ds[ds_buffer], st.q, stage, acc_dkv, ltid);
     };
     if constexpr (T::kDqFirst) {
@@ -234,6 +274,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     __syncwarp();  // the warp's reads of the stage before its leader releases it
     if (ltid % 32 == 0) Barrier::arrive(&st.empty[stage]);  // the stage's last readers are done
   }
+  if constexpr (T::kDqBulk)
+    if (wg >= T::kDqWarpgroup0 && dq_bulk_leader(ctid - 128 * T::kDqWarpgroup0)) fwd::bulk_store_wait<false>();
   const int n_owned = max(0, min(p.tile_n, owned - k0));
   if constexpr (T::kOwnRows) {
     const int row0 = 64 * wg;

@@ -1,16 +1,16 @@
 // Tile configuration of the SM90 backward kernel: one CTA holds a KV tile (kBlockN tokens of K
 // and V, resident) and walks the Q tiles that attend it in steps of 64 query rows. A producer
 // warpgroup (the walk and the loads) and two consumer warpgroups. The five GEMMs:
-//   S  = Q K^T, dP = dO V^T   64 x kBlockN x D, the consumers split the KV columns
-//   dV += P^T dO, dK += dS^T Q
-//       kBlockN 128 (kOwnRows): each consumer owns the 64 KV rows of its S columns, so its dV and
-//         dK read only the P and dS it wrote itself (64 x D x 64 each);
-//       kBlockN 64: consumer 0 computes dV, consumer 1 dK (kBlockN x D x 64), each from both
-//         consumers' P or dS
-//   dQ  = dS K                64 x D x kBlockN, the consumers split D (D >= 128) or consumer 1
-// Every operand is read from shared memory with 128-byte swizzles; the transposed operands are
-// views of the same bytes (a K-major tile read as the MN-major operand), so P and dS are written
-// once and Q, dO are loaded once per step.
+//   kBlockN 128 (kOwnRows): each consumer owns 64 KV rows and computes its scores transposed,
+//       S^T = K Q^T and dP^T = dO V^T as 64 KV rows x 64 query rows, so that P^T and dS^T, in
+//       its registers, are the A operands of dV += P^T dO and dK += dS^T Q (64 x D x 64, register
+//       A): P never goes to shared memory, and dS goes there once, transposed, for dQ;
+//   kBlockN 64: S = Q K^T and dP = dO V^T (64 x 64, the consumers split the KV columns), P and dS
+//       to shared memory; consumer 0 computes dV, consumer 1 dK (64 x D x 64), each from both
+//       consumers' P or dS;
+//   dQ  = dS K                64 x D x kBlockN, the consumers split D (D >= 128) or consumer 1.
+// Shared operands use 128-byte swizzles; the transposed operands are views of the same bytes (a
+// K-major tile read as the MN-major operand), so Q and dO are loaded once per step.
 #pragma once
 #include <cute/atom/copy_traits_sm90.hpp>
 
@@ -25,9 +25,17 @@ using fwd::cp_async_16;
 using fwd::cp_async_4;
 using fwd::wg_gemm;
 
-// Named barriers (hardware ids; 0 is __syncthreads): 1 + c, consumer c's own P (kOwnRows);
-// both consumers' P and dS of a step; the dQ warpgroups' route order (deterministic mode).
-constexpr int kOwnPBarrier = 1, kStepBarrier = 3, kDqOrderBarrier = 4;
+// Named barriers (hardware ids; 0 is __syncthreads): both consumers' P and dS of a step; the dQ
+// warpgroups' route order (deterministic mode); 3 + w: dQ warpgroup w's staged dQ.
+constexpr int kStepBarrier = 1, kDqOrderBarrier = 2, kDqStagedBarrier = 3;
+
+// A shared-memory array that may be empty (no bytes, no alignment padding).
+template <class E, int N>
+struct SmemArray {
+  alignas(1024) E data[N];
+};
+template <class E>
+struct SmemArray<E, 0> {};
 
 template <class Element_, int kHeadDim_, int kBlockN_>
 struct Traits {
@@ -51,19 +59,23 @@ struct Traits {
   static_assert(kHeadDim % 64 == 0 && (kBlockN == 64 || kBlockN == 128), "tile shape");
   // Registers: a consumer's dK and dV (kOwnRows) or one of them is 64 x D x (1 or 2) floats / 128.
   static_assert((kOwnRows ? 2 : 1) * 64 * kHeadDim <= 128 * 128, "dK / dV accumulators would not fit in registers");
-  // P: written by both consumers, read by one consumer's dV (kOwnRows: each its own half, done
-  // within the step, so one buffer); dS: read by both consumers' dQ. Double buffers let a consumer
-  // write step i + 1's while the other still reads step i's; the per-step barrier on dS keeps them
-  // within one step of each other.
-  static constexpr int kPBuffers = kOwnRows ? 1 : 2;
+  // P (kBlockN 64): written by both consumers, read by consumer 0's dV; kOwnRows keeps P^T in
+  // registers. dS: read by both consumers' dQ. Double buffers let a consumer write step i + 1's
+  // while the other still reads step i's; the per-step barrier on dS keeps them within one step
+  // of each other.
+  static constexpr int kPBuffers = kOwnRows ? 0 : 2;
   static constexpr int kDsBuffers = 2;
 
   using Atom = GMMA::Layout_K_SW128_Atom<Element>;
   static constexpr int kStepBytes =
       2 * 64 * kHeadDim * static_cast<int>(sizeof(Element)) + 2 * 64 * static_cast<int>(sizeof(float));
-  static constexpr int kFixedBytes = (2 * kBlockN * kHeadDim + (kPBuffers + kDsBuffers) * 64 * kBlockN) *
-                                     static_cast<int>(sizeof(Element));
-  // Q / dO / LSE / delta stages: three where they fit beside K, V, P and dS.
+  static constexpr int kOperandBytes =
+      (2 * kBlockN * kHeadDim + (kPBuffers + kDsBuffers) * 64 * kBlockN) * static_cast<int>(sizeof(Element));
+  // dQ of a step staged in shared memory (the tiled accumulator's order) and added by one bulk
+  // reduction per warpgroup, where it fits beside two stages (not at D 256: 64 KB).
+  static constexpr int kDqStageBytes = 64 * kHeadDim * static_cast<int>(sizeof(float));
+  static constexpr bool kDqBulk = kOperandBytes + kDqStageBytes + 2 * kStepBytes + 2048 <= 227 * 1024;
+  static constexpr int kFixedBytes = kOperandBytes + (kDqBulk ? kDqStageBytes : 0);
   static constexpr int kStages = kFixedBytes + 3 * kStepBytes + 2048 <= 227 * 1024 ? 3 : 2;
 
   // Q and dO: 64 x D per stage, D contiguous. Their transposes (D x 64) are the MN-major B operands
@@ -77,18 +89,31 @@ struct Traits {
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
   // P and dS: 64 x kBlockN, KV contiguous (the K-major A operand of dQ). The atoms tile the rows
   // first, so KV columns [64 h, 64 h + 64) are the contiguous 64 x 64 block h; its transpose is
-  // the MN-major A operand (64 KV rows x 64 query rows) of dV and dK.
+  // the MN-major A operand (64 KV rows x 64 query rows) of dV and dK (kBlockN 64).
   using SmemLayoutP = decltype(tile_to_shape(Atom{}, Shape<_64, Int<kBlockN>>{}));
+  // dS^T (kBlockN x 64): where kOwnRows consumers store their transposed scores' dS.
+  using SmemLayoutPt = decltype(composition(
+      SmemLayoutP{}, make_layout(Shape<Int<kBlockN>, _64>{}, Stride<_64, _1>{})));
   using SmemLayoutBlockT = decltype(composition(tile_to_shape(Atom{}, Shape<_64, _64>{}),
                                                 make_layout(Shape<_64, _64>{}, Stride<_64, _1>{})));
   static constexpr int kBlockElements = 64 * 64;
 
-  using MmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN / 2>, Int<kHeadDim>>>(),
-      Layout<Shape<_1, _2, _1>>{}));
-  using MmaDKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, _64>, GMMA::Major::MN,
-                           GMMA::Major::MN>()));
+  // S and dP: kOwnRows, transposed (KV rows x query rows, the consumers split the KV rows);
+  // else query rows x KV columns, the consumers split the columns.
+  using MmaSdP = std::conditional_t<
+      kOwnRows,
+      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, _64, Int<kHeadDim>>>(),
+                              Layout<Shape<_2, _1, _1>>{})),
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN / 2>, Int<kHeadDim>>>(),
+          Layout<Shape<_1, _2, _1>>{}))>;
+  // dV and dK of 64 KV rows: the A operand (P^T, dS^T) from registers (kOwnRows) or shared memory.
+  using MmaDKV = std::conditional_t<
+      kOwnRows,
+      decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, _64>,
+                                                   GMMA::Major::K, GMMA::Major::MN>())),
+      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, _64>,
+                                                   GMMA::Major::MN, GMMA::Major::MN>()))>;
   using MmaDQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / kDqWarpgroups>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
@@ -99,8 +124,9 @@ struct Traits {
     alignas(1024) Element v[kBlockN * kHeadDim];
     alignas(1024) Element q[kStages * 64 * kHeadDim];
     alignas(1024) Element dout[kStages * 64 * kHeadDim];
-    alignas(1024) Element p[kPBuffers][64 * kBlockN];
     alignas(1024) Element ds[kDsBuffers][64 * kBlockN];
+    SmemArray<Element, kPBuffers * 64 * kBlockN> p;  // buffer j at data + j * 64 * kBlockN
+    SmemArray<float, kDqBulk ? 64 * kHeadDim : 0> dq;  // the step's dQ, tiled (dq_tiles.hpp)
     float lse_log2[kStages][64];
     float delta[kStages][64];
     Step step[kStages];  // the stage's step, from the producer; head < 0: the walk has ended

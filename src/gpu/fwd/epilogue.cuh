@@ -41,12 +41,6 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void*
                "r"(s), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                : "memory");
 }
-// Waits until this thread's bulk stores have read shared memory (kRead) or completed.
-template <bool kRead>
-__device__ __forceinline__ void bulk_store_wait() {
-  if constexpr (kRead) asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
-  else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-}
 
 // One warpgroup's 64 x kHeadDim output rows (row r: token q_begin + rows.token(r) of head
 // h + rows.head(r)). `stage` holds 64 x kHeadDim 16-bit elements: a 4-byte output type is staged
