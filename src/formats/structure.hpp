@@ -1,5 +1,5 @@
 // Structural rules for tensors (rank, shape, dtype, device, strides, alignment, overlap), shared
-// by the validators of the forward (validate.cpp) and the backward (validate_backward.cpp). Every
+// by the validators of the forward (validate_*.cpp) and the backward (backward.cpp). Every
 // check throws bsattn::Error naming the argument; messages are built only on failure.
 #pragma once
 #include <algorithm>
@@ -26,9 +26,21 @@ void expect(bool ok, const Name& argument, const Message& message) {
 
 inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
+// An extent the kernels index with int32 (`what` says which).
+inline void expect_int32_extent(const char* name, std::int64_t extent, const std::string& what) {
+  expect(extent <= kInt32Max, name, [&] {
+    return what + " = " + str(extent) + " exceeds the int32 range the kernels index with (" + str(kInt32Max) + ")";
+  });
+}
+
 inline bool is_varlen(const Problem& pb) { return pb.q_layout == QLayout::varlen; }
 inline bool is_paged(const Problem& pb) { return pb.kv_layout == KVLayout::paged; }
 inline bool is_varlen_kv(const Problem& pb) { return is_varlen(pb) && !is_paged(pb); }
+// Formats whose rows are enumerated per sequence (SPEC §3.2 order) rather than [Bs, Hs, nQB].
+inline bool has_varlen_rows(const Problem& pb) {
+  return pb.format == Format::varlen_block_lists ||
+         (is_varlen(pb) && (pb.format == Format::bsr || pb.format == Format::bitmask));
+}
 
 // One dimension of an expected shape: an extent in [lowest, highest], named for messages.
 struct Dim {
@@ -149,6 +161,13 @@ inline void expect_tensor(const Problem& pb, const std::string& name, const Tens
   expect_shape(name, t, dims);
   expect_dtype(name, t, dtype);
   expect_strides(name, t, access);
+}
+
+// expect_tensor() for a tensor the problem requires.
+inline void expect_given(const Problem& pb, const char* name, const TensorView& t, const std::vector<Dim>& dims,
+                         DType dtype, Access access) {
+  expect(t.defined(), name, [] { return "is required but not given"; });
+  expect_tensor(pb, name, t, dims, dtype, access);
 }
 
 // Extents every structural rule is written in.

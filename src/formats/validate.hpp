@@ -1,5 +1,9 @@
-// Validation of problems and bound tensors (SPEC §8). Every check throws bsattn::Error naming the
-// argument, and the row and value where there is one; none writes anything.
+// Validation of problems and bound tensors (SPEC §8; the rules and their decisions are in
+// docs/VALIDATION.md), in three layers, one file each: the problem alone at plan time
+// (validate_problem.cpp), tensor structure on every run with no metadata value read
+// (validate_structure.cpp), and metadata values when problem.validate is set
+// (validate_values.cpp). Every check throws bsattn::Error naming the argument, and the row and
+// value where there is one, before the engine runs; none writes anything.
 #pragma once
 #include <cstdint>
 #include <vector>
