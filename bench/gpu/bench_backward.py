@@ -27,10 +27,13 @@ that engine untimed. Times: median of --iters (>= 20) CUDA-event timings after w
 --budget: peers (whose first call compiles: seconds to tens of seconds each) are not started
 once the run is that many seconds old; bsattn runs every row first, then the peers by priority
 (FA4 causal, Flex and FA4 at 0.25, Flex causal, the other densities, D 64, D 256).
+--compare LIB...: other builds of the library (kernel variants) timed against --lib on the same
+inputs, in --rounds interleaved rounds (ABBA order), each first checked against the reference;
+their ratios go to the row's notes (time of the variant / time of --lib).
 
   python3 bench/gpu/bench_backward.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--out backward.md]
       [--rows causal,rand0.1,rand0.25,rand0.5,rand1.0,d64,d256] [--peers all|none|fa4|flex]
-      [--heads kv|q|1] [--iters 20] [--budget 50] [--deterministic]
+      [--heads kv|q|1] [--iters 20] [--budget 50] [--deterministic] [--compare LIB... [--rounds 4]]
 """
 import argparse
 import math
@@ -57,6 +60,8 @@ P.add_argument("--budget", type=float, default=50.0, help="seconds after which n
 P.add_argument("--deterministic", action="store_true", help="bsattn's deterministic backward")
 P.add_argument("--skip-small-check", action="store_true")
 P.add_argument("--out", default="")
+P.add_argument("--compare", nargs="+", default=[], help="other library builds timed against --lib, interleaved")
+P.add_argument("--rounds", type=int, default=4, help="interleaved rounds per row with --compare")
 ARGS = P.parse_args()
 ARGS.iters = max(20, ARGS.iters)
 if not set(ARGS.rows.split(",")) <= set(ALL_ROWS):
@@ -67,7 +72,9 @@ DEV = "cuda"
 HQ, HKV, BLK = 32, 8, 128
 G = HQ // HKV
 TOL = 2e-2
-LIB = benchlib.load(ARGS.lib, need=("bsattn_bench_set_backward", "bsattn_bench_run_backward"))
+LIBS = [benchlib.load(path, need=("bsattn_bench_set_backward", "bsattn_bench_run_backward"))
+        for path in [ARGS.lib] + ARGS.compare]
+LIB = LIBS[0]
 HS = {"kv": HKV, "q": HQ, "1": 1}[ARGS.heads]
 
 
@@ -177,17 +184,19 @@ def grad_errors(c, refs, dq, dk, dv):
 
 
 class Ours:
-    """bsattn's forward (once, for O and LSE) and backward on a Case."""
+    """bsattn's forward (once, for O and LSE) and backward on a Case (lib: a build of the shim)."""
 
-    def __init__(self, c):
+    def __init__(self, c, lib=None):
+        lib = LIB if lib is None else lib
+        self.lib = lib
         fmt, hs, causal = (0, 1, 1) if c.kind == "causal" else (1, c.blk.shape[0], 0)
-        self.plan = benchlib.Plan(LIB, LIB.bsattn_bench_plan(1, c.S, HQ, HKV, c.D, 0, BLK, BLK, fmt, hs, causal, -1))
-        benchlib.ok(LIB, LIB.bsattn_bench_set_backward(self.plan.h, int(ARGS.deterministic)))
+        self.plan = benchlib.Plan(lib, lib.bsattn_bench_plan(1, c.S, HQ, HKV, c.D, 0, BLK, BLK, fmt, hs, causal, -1))
+        benchlib.ok(lib, lib.bsattn_bench_set_backward(self.plan.h, int(ARGS.deterministic)))
         self.c = c
         self.out = torch.full_like(c.q, float("nan"))
         self.lse = torch.full((1, HQ, c.S), float("nan"), device=DEV)
         p = benchlib.ptr
-        benchlib.ok(LIB, LIB.bsattn_bench_run(self.plan.h, p(c.q), p(c.k), p(c.v), p(self.out), p(self.lse), p(c.cnt),
+        benchlib.ok(lib, lib.bsattn_bench_run(self.plan.h, p(c.q), p(c.k), p(c.v), p(self.out), p(self.lse), p(c.cnt),
                                               p(c.idx), benchlib.stream()))
         self.plan.check()
         self.dq = torch.full_like(c.q, float("nan"))
@@ -196,7 +205,31 @@ class Ours:
         self.args = [p(t) for t in (c.q, c.k, c.v, c.cnt, c.idx, self.out, self.lse, c.dout, self.dq, self.dk, self.dv)]
 
     def __call__(self):
-        benchlib.ok(LIB, LIB.bsattn_bench_run_backward(self.plan.h, *self.args, benchlib.stream()))
+        benchlib.ok(self.lib, self.lib.bsattn_bench_run_backward(self.plan.h, *self.args, benchlib.stream()))
+
+
+def compare_variants(r, c, refs, ours):
+    """--compare: every other build on the row's inputs, checked, then timed against `ours` (the
+    --lib build) in interleaved rounds; the ratios go to the row's notes."""
+    runs = [ours]
+    for j, lib in enumerate(LIBS[1:], 1):
+        o = Ours(c, lib)
+        o()
+        o.plan.check()
+        errs = grad_errors(c, refs, o.dq, o.dk, o.dv)
+        if not max(errs) < TOL:
+            r.notes.append(f"variant{j} MISMATCH vs reference ({max(errs):.1e})")
+            continue
+        runs.append(o)
+    times = [[] for _ in runs]
+    for rnd in range(ARGS.rounds):
+        order = range(len(runs)) if rnd % 2 == 0 else reversed(range(len(runs)))  # ABBA: no order bias
+        for j in order:
+            times[j].append(benchlib.timed(runs[j], max(5, ARGS.iters // ARGS.rounds)))
+    med = [sorted(t)[len(t) // 2] for t in times]
+    for j in range(1, len(runs)):
+        r.notes.append(f"variant{j} {med[j]:.3f} ms ({med[j] / med[0]:.3f}x the --lib build, {med[0]:.3f} ms interleaved)")
+        print(f"    {r.name}: variant{j} {med[j]:.3f} ms vs {med[0]:.3f} ms -> {med[0] / med[j]:.3f}x speed", flush=True)
 
 
 def autograd_reference(c):
@@ -379,6 +412,8 @@ def main():
                 ms = benchlib.timed(ours, ARGS.iters)
                 ours.plan.check()
                 r.res["bsattn"] = (ms, errs)
+                if len(LIBS) > 1:
+                    compare_variants(r, c, refs[r.name], ours)
             else:
                 r.notes.append(f"bsattn MISMATCH vs reference (dq/dk/dv {'/'.join(f'{e:.1e}' for e in errs)}): not timed")
         except Exception as e:  # noqa: BLE001 - reported in the row, the run goes on
