@@ -3,12 +3,13 @@
 // KV tile (the column stream, steps.cuh) in steps of 64 rows. Warp specialised:
 //  * the producer warpgroup (loader.cuh) walks the steps and loads each step's Q, dO (TMA), LSE
 //    and delta into a free stage, up to kStages steps ahead of the consumers;
-//  * two consumer warpgroups compute, per step, S = Q K^T and dP = dO V^T (each its half of the
-//    KV columns); once S is complete the forward's route mask (mask.cuh), P = exp2(S * scale *
-//    log2(e) - LSE * log2(e)) and P to shared memory (stmatrix) while dP completes; dS = P (dP -
-//    delta) to shared memory; then dK, dV (traits.cuh: with 128-wide tiles each consumer's own 64
-//    KV rows, dV issued as soon as its own P is stored) and dQ = dS K (dq.cuh) after one barrier
-//    of both consumers, dQ's adds into the fp32 accumulator running under the dK / dV GEMM.
+//  * two consumer warpgroups compute, per step, the scores S and dP (traits.cuh: with 128-wide
+//    tiles each consumer's own 64 KV rows, transposed; else each its half of the KV columns);
+//    once S is complete the forward's route mask (mask.cuh) and P = exp2(S * scale * log2(e) -
+//    LSE * log2(e)) while dP completes; with 128-wide tiles P^T, in registers, feeds dV at once;
+//    then dS = P (dP - delta) to shared memory (and, 128-wide, dS^T from registers into dK); one
+//    barrier of both consumers; dQ = dS K (dq.cuh), whose adds into the fp32 accumulator run
+//    under the dK / dV GEMM.
 // dK and dV stay in registers over the whole walk (the group's query heads summed there, GQA) and
 // are stored once (epilogue.cuh).
 #pragma once
