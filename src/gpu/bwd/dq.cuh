@@ -119,13 +119,13 @@ __device__ __forceinline__ void add_dq(const Acc& acc, typename T::SharedStorage
   static_assert(decltype(size(acc))::value % 4 == 0 &&
                     cute::is_same_v<std::decay_t<decltype(stride<0, 0>(c.layout()))>, std::decay_t<decltype(E<1>{})>>,
                 "adjacent fragment values are adjacent columns of one row");
+  static_assert(standard_fragment(decltype(c.layout()){}), "the accumulator layout dq_tiles.hpp assumes");
 
   const route::RouteParams& p = a.route;
   const bool tiled = ws.geometry.dq_tiles > 0, bulk = T::kDqBulk && tiled;
   const int region = dq_tid / 128, lane = dq_tid % 128;
   if constexpr (T::kDqBulk) {
     if (bulk) {
-      static_assert(standard_fragment(decltype(c.layout()){}), "the accumulator layout dq_tiles.hpp assumes");
       float* staged = st.dq.data + region * kRegion + lane * 4;
       CUTE_UNROLL
       for (int j = 0; j < size(acc) / 4; ++j)
@@ -153,7 +153,6 @@ __device__ __forceinline__ void add_dq(const Acc& acc, typename T::SharedStorage
     } else {
       // The fragment's values in order, 16 bytes per reduction, no predicates (rows past the
       // sequence hold zeros or are never converted: dq_tiles.hpp).
-      static_assert(standard_fragment(decltype(c.layout()){}), "the accumulator layout dq_tiles.hpp assumes");
       CUTE_UNROLL
       for (int j = 0; j < size(acc) / 4; ++j)
         red_add_v4(dst + (lane + j * 128) * 4, acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
