@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const Step step = st.step[stage];
     if (step.head < 0) break;
     const unsigned units = walk.step_units(step.sub);
-    const int p_buffer = i % 2, ds_buffer = i % 2;
+    const int buffer = i % 2;  // P's and dS's double buffers
 
     // Thread-dependent operand views are derived per step from an opaque thread index: hoisted
     // out of the step loop, their descriptors and addresses would stay live across it and spill.
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       issue_dkv_gemm<T>(rP, st.dout, stage, acc_dkv, ltid);
       warpgroup_wait<1>();  // S and dP complete, dV in flight
     } else {
-      Tensor sP = make_tensor(make_smem_ptr(st.p.data + p_buffer * 64 * kBlockN), typename T::SmemLayoutP{});
+      Tensor sP = make_tensor(make_smem_ptr(st.p.data + buffer * 64 * kBlockN), typename T::SmemLayoutP{});
       cute::copy(copy_pds, thr_copy.retile_S(make_tensor(rP.data(), tSrS.layout())), thr_copy.partition_D(sP));
       warpgroup_wait<0>();
     }
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     to_element(rdS, tdPrdP);
     {
       using DsLayout = std::conditional_t<T::kOwnRows, typename T::SmemLayoutPt, typename T::SmemLayoutP>;
-      Tensor sdS = make_tensor(make_smem_ptr(st.ds[ds_buffer]), DsLayout{});
+      Tensor sdS = make_tensor(make_smem_ptr(st.ds[buffer]), DsLayout{});
       cute::copy(copy_pds, thr_copy.retile_S(make_tensor(rdS.data(), tdPrdP.layout())), thr_copy.partition_D(sdS));
     }
     cutlass::arch::fence_view_async_shared();  // P and dS (generic-proxy stores) before the wgmma reads
@@ -241,12 +241,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     };
     const auto issue_dkv = [&]() {
       if constexpr (T::kOwnRows) issue_dkv_gemm<T>(rdS, st.q, stage, acc_dk, ltid);
-      else if (wg == 0) issue_dkv_gemm<T>(st.p.data + p_buffer * 64 * kBlockN, st.dout, stage, acc_dkv, ltid);
-      else issue_dkv_gemm<T>(st.ds[ds_buffer], st.q, stage, acc_dkv, ltid);
+      else if (wg == 0) issue_dkv_gemm<T>(st.p.data + buffer * 64 * kBlockN, st.dout, stage, acc_dkv, ltid);
+      else issue_dkv_gemm<T>(st.ds[buffer], st.q, stage, acc_dkv, ltid);
     };
     if constexpr (T::kDqFirst) {
       Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
-      issue_dq_gemm<T>(st, ds_buffer, acc_dq, dq_tid);
+      issue_dq_gemm<T>(st, buffer, acc_dq, dq_tid);
       issue_dkv();
       warpgroup_wait<1>();
       add_dq_after(acc_dq);
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // D 64: consumer 1 alone computes dQ; it issues dQ first and adds under its dK GEMM.
       if (dq_warpgroup) {
         Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
-        issue_dq_gemm<T>(st, ds_buffer, acc_dq, dq_tid);
+        issue_dq_gemm<T>(st, buffer, acc_dq, dq_tid);
         issue_dkv();
         warpgroup_wait<1>();
         add_dq_after(acc_dq);
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // D 256: dK / dV first (registers: dQ's 64 accumulators beside dK / dV's 128).
       issue_dkv();
       Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
-      issue_dq_gemm<T>(st, ds_buffer, acc_dq, dq_tid);
+      issue_dq_gemm<T>(st, buffer, acc_dq, dq_tid);
       warpgroup_wait<0>();
       add_dq_after(acc_dq);
     }

@@ -2,7 +2,7 @@
 // and V, resident) and walks the Q tiles that attend it in steps of 64 query rows. A producer
 // warpgroup (the walk and the loads) and two consumer warpgroups. The five GEMMs:
 //   kBlockN 128 (kOwnRows): each consumer owns 64 KV rows and computes its scores transposed,
-//       S^T = K Q^T and dP^T = dO V^T as 64 KV rows x 64 query rows, so that P^T and dS^T, in
+//       S^T = K Q^T and dP^T = V dO^T as 64 KV rows x 64 query rows, so that P^T and dS^T, in
 //       its registers, are the A operands of dV += P^T dO and dK += dS^T Q (64 x D x 64, register
 //       A): P never goes to shared memory, and dS goes there once, transposed, for dQ;
 //   kBlockN 64: S = Q K^T and dP = dO V^T (64 x 64, the consumers split the KV columns), P and dS
