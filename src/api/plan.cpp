@@ -20,6 +20,7 @@
 
 #include "gpu/attention.hpp"
 #include "gpu/backward.hpp"
+#include "gpu/check_values.hpp"
 #include "gpu/bwd/dq_tiles.hpp"
 #include "gpu/device_guard.hpp"
 #include "gpu/device_info.hpp"
@@ -242,7 +243,12 @@ struct Plan::Impl {
 #endif
   void run_backward_gpu(const Inputs& inputs, const BackwardInputs& backward, const Gradients& gradients,
                         Stream stream);
-  void check_gpu(Stream stream);
+  // validate = true on the GPU: the value checks as device kernels (gpu/check_values.hpp); their
+  // flag is read with the overflow flag by check_gpu(stream, &inputs).
+  void check_values_on_device(route::RouteParams& route, const Inputs& inputs, Stream stream);
+  // Reads the device flags (one small copy) and throws on a raised one: the overflow, or, given
+  // the run's inputs, the value checks' flag (then the host names the bad value).
+  void check_gpu(Stream stream, const Inputs* validated = nullptr);
 };
 
 Plan::Plan() = default;
@@ -281,6 +287,11 @@ void Plan::plan(const Problem& problem) {
       throw Error("problem.dtype", std::string(to_string(problem.dtype)) + ": the GPU kernels take f16 or bf16");
     if (problem.out_dtype != DType::bf16 && problem.out_dtype != DType::f16 && problem.out_dtype != DType::f32)
       throw Error("problem.out_dtype", std::string(to_string(problem.out_dtype)) + ": expected f16, bf16 or f32");
+    // The kernels take each row's max of the raw scores and mask with -inf: both assume scale > 0.
+    if (problem.scale < 0.0f)
+      throw Error("problem.scale", std::to_string(problem.scale) +
+                                       ": the GPU kernels take a positive scale (0 means 1/sqrt(head_dim)); a negative "
+                                       "scale is the positive one applied to -Q; or use Device::cpu");
     if (problem.proxy != Proxy::off &&
         gpu::forward_kernel_block_n(problem.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16,
                                     problem.head_dim, next->tiles.tile_m, next->tiles.tile_n, true) == 0)
@@ -420,12 +431,12 @@ void Plan::Impl::run_backward(const Inputs& inputs, const BackwardInputs& backwa
 // waits for route preparation and throws on overflow before attention is launched.
 void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream stream) {
   check_structure_once(inputs, outputs);
-  if (problem.validate) formats::validate_values(problem, tiles, inputs);
   AttentionParams a = formats::bind(problem, tiles, capacity, inputs, outputs);
   DeviceGuard guard(problem.device_index);
   const auto s = static_cast<cudaStream_t>(stream);
   DeviceWorkspace& ws = *device;
   route::RouteParams& p = a.route;
+  if (problem.validate) check_values_on_device(p, inputs, stream);
   // Longest rows first only matters when work items queue for multiprocessors; with fewer (a
   // decode step: a few rows, split over the SMs) the rows run in index order and the sort's
   // launch (a few us of a ~20 us step) is saved.
@@ -443,7 +454,7 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
     cuda_check(gpu::order_rows_longest_first(ws.counts, a.route_rows, ws.row_order, s), "order_rows_longest_first");
   else
     a.row_order = nullptr;
-  if (problem.validate) check_gpu(stream);
+  if (problem.validate) check_gpu(stream, &inputs);
   // Token extents of Q and K/V (the bounds of the kernel's bulk tensor copies).
   gpu::TokenExtents extents;
   extents.q = inputs.q.shape[p.varlen_q ? 0 : 1];
@@ -531,11 +542,11 @@ void Plan::Impl::run_backward_gpu(const Inputs& inputs, const BackwardInputs& ba
   formats::validate_backward(problem, inputs, backward, gradients);
   DeviceWorkspace& ws = *device;
   if (!ws.backward_refused.empty()) throw Error(ws.backward_refused_field, ws.backward_refused);
-  if (problem.validate) formats::validate_values(problem, tiles, inputs);
   BackwardParams g = formats::bind_backward(problem, tiles, capacity, inputs, backward, gradients);
   DeviceGuard guard(problem.device_index);
+  if (problem.validate) check_values_on_device(g.fwd.route, inputs, stream);
   prepare_gpu_routes(g.fwd, stream);
-  if (problem.validate) check_gpu(stream);
+  if (problem.validate) check_gpu(stream, &inputs);
   cuda_check(gpu::run_backward(g, ws.backward, ws.overflow, problem.deterministic, static_cast<cudaStream_t>(stream)),
              "backward kernel launch");
 }
@@ -552,13 +563,36 @@ void Plan::Impl::check_structure_once(const Inputs& inputs, const Outputs& outpu
   structure_checked = true;
 }
 
-void Plan::Impl::check_gpu(Stream stream) {
+void Plan::Impl::check_values_on_device(route::RouteParams& route, const Inputs& inputs, Stream stream) {
+  DeviceWorkspace& ws = *device;
+  cuda_check(gpu::check_values(formats::value_check_params(problem, tiles, inputs), ws.overflow, ws.cu_total_m_blocks,
+                               ws.cu_block_idx_offsets, static_cast<cudaStream_t>(stream)),
+             "check_values");
+  route.values_invalid = ws.overflow + gpu::kValuesInvalidWord;
+}
+
+void Plan::Impl::check_gpu(Stream stream, const Inputs* validated) {
   DeviceGuard guard(problem.device_index);
-  std::int32_t flag[2] = {0, 0};
-  cuda_check(cudaMemcpyAsync(flag, device->overflow, sizeof flag, cudaMemcpyDeviceToHost,
-                             static_cast<cudaStream_t>(stream)),
-             "cudaMemcpyAsync (overflow flag)");
-  cuda_check(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+  std::int32_t flag[gpu::kRouteFlagWords] = {};
+  const auto copied = [&](cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return;
+    cudaGetLastError();
+    std::string message = std::string(what) + " failed: " + cudaGetErrorString(e);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (validated && cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture) == cudaSuccess &&
+        capture != cudaStreamCaptureStatusNone)
+      message += " (validate = true reads the value checks' flag on the host, which CUDA graph capture forbids: "
+                 "capture with validate = false)";
+    throw Error(validated ? "problem.validate" : "cuda", message);
+  };
+  copied(cudaMemcpyAsync(flag, device->overflow, sizeof flag, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream)),
+         "cudaMemcpyAsync (device flags)");
+  copied(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+  if (validated && flag[gpu::kValuesInvalidWord] != 0) {
+    formats::validate_values(problem, tiles, *validated);  // throws, naming the first bad value
+    throw Error("problem.validate", "the device value checks rejected the metadata, but the host checks found no bad "
+                                    "value (a bsattn defect: please report it with the problem)");
+  }
   if (flag[0] != 0) {
     const route::RowCoordinates c = route::row_coordinates(formats::route_geometry(problem, tiles, capacity), flag[0] - 1);
     throw Error("max_routes_per_row", "route row (b=" + std::to_string(c.b) + ", hs=" + std::to_string(c.hs) +

@@ -14,6 +14,7 @@
 #include "formats/bind.hpp"
 #include "formats/structure.hpp"
 #include "formats/validate.hpp"
+#include "formats/value_checks.hpp"
 #if BSATTN_WITH_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -441,6 +442,56 @@ void validate_values(const Problem& pb, const TileShape& tiles, const Inputs& in
              " is in both the partial and the full set";
     });
   });
+}
+
+namespace {
+
+IntTensor int_tensor(const TensorView& t) {
+  IntTensor v;
+  if (!t.defined()) return v;
+  v.data = static_cast<const std::int32_t*>(t.data);
+  for (int i = 0; i < t.rank && i < 4; ++i) {
+    v.shape[i] = t.shape[i];
+    v.stride[i] = t.stride[i];
+  }
+  return v;
+}
+
+}  // namespace
+
+ValueCheckParams value_check_params(const Problem& pb, const TileShape& tiles, const Inputs& in) {
+  ValueCheckParams c;
+  c.geo = route_geometry(pb, tiles, 0);
+  c.geo.cu_seqlens_q = static_cast<const std::int32_t*>(in.cu_seqlens_q.data);
+  c.geo.cu_seqlens_k = static_cast<const std::int32_t*>(in.cu_seqlens_k.data);
+  c.geo.seqused_k = static_cast<const std::int32_t*>(in.seqused_k.data);
+  c.geo.seq_lens_kv = static_cast<const std::int32_t*>(in.seq_lens_kv.data);
+  c.geo.cu_total_m_blocks = nullptr;
+  c.geo.cu_block_idx_offsets = nullptr;
+  c.varlen_rows = has_varlen_rows(pb);
+  c.total_q = pb.total_q;
+  c.total_kv = pb.total_kv;
+  c.page_size = pb.page_size;
+  c.pages_per_seq = pb.pages_per_seq;
+  c.num_pages = pb.num_pages;
+  c.cu_seqlens_q = int_tensor(in.cu_seqlens_q);
+  c.cu_seqlens_k = int_tensor(in.cu_seqlens_k);
+  c.seqused_k = int_tensor(in.seqused_k);
+  c.seq_lens_kv = int_tensor(in.seq_lens_kv);
+  c.block_table = int_tensor(in.block_table);
+  if (is_varlen(pb) && c.varlen_rows) {  // check_block_offsets()
+    c.cu_total_m_blocks = int_tensor(in.cu_total_m_blocks);
+    c.cu_block_idx_offsets = int_tensor(in.cu_block_idx_offsets);
+  }
+  if (pb.format != Format::all_blocks) {
+    const BlockSet* sets[3] = {pb.has_partial ? &in.partial : nullptr, pb.has_full ? &in.full : nullptr,
+                               pb.proxy == Proxy::explicit_set ? &in.proxy : nullptr};
+    for (int i = 0; i < 3; ++i)
+      if (sets[i]) c.sets[i] = {int_tensor(sets[i]->counts), int_tensor(sets[i]->indices), int_tensor(sets[i]->indptr),
+                                int_tensor(sets[i]->bits)};
+    c.check_disjoint = pb.has_partial && pb.has_full;
+  }
+  return c;
 }
 
 std::vector<std::int64_t> checked_m_block_offsets(const Problem& pb, const TileShape& tiles, const Inputs& inputs) {

@@ -155,6 +155,10 @@ __global__ void __launch_bounds__(kSplit ? 32 * kMaxSplitWarps : kRowThreads)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+  if (p.values_invalid && *static_cast<const volatile std::int32_t*>(p.values_invalid) != 0) {
+    publish_overflow(flags, timeline);  // a clear overflow flag: the host reports the bad value
+    return;
+  }
   const int parts = kSplit ? static_cast<int>(blockDim.x) / 32 : 1, part = kSplit ? warp : 0;
   const int row = kSplit ? static_cast<int>(blockIdx.x) : blockIdx.x * (kRowThreads / 32) + warp;
   if (row < rows) {  // the whole warp (kSplit: a block per row, always)

@@ -14,8 +14,10 @@ namespace bsattn::gpu {
 // launch; [2] the forward kernel's work counter; [3, 4] and [5] prepare_routes' pending overflow
 // and finished blocks. Each launch leaves [2..5] zero again (the last route block publishes [0, 1]
 // from [3, 4]; the forward kernel's last claim resets [2]), so a run needs no memset before it
-// (a launch and a stream dependency less per run: issue 14's host time).
-constexpr int kRouteFlagWords = 6;
+// (a launch and a stream dependency less per run: issue 14's host time). [6]: the device value
+// checks' verdict (gpu/check_values.hpp), written only by runs with validate = true.
+constexpr int kRouteFlagWords = 7;
+constexpr int kValuesInvalidWord = 6;
 
 // Fills params.routes / params.route_counts (device pointers) for every route row and writes the
 // overflow flag: `overflow` points at the kRouteFlagWords flags.

@@ -36,13 +36,20 @@ struct Options {
 
 // A valid problem and its tensors: B=2, Hq=4, Hkv=Hs=2, D=8 (GPU: 64), Bq=Bk=16, f32 (GPU: bf16). Batched sequences
 // are 40 tokens (nQB = nKB = 3); varlen Q lengths {40, 20}, varlen / paged KV lengths {40, 24}.
-// Paged: page_size 8, pages_per_seq 6, block_table rows padded to 8 columns holding garbage.
+// Paged: page_size 8, pages_per_seq 6, 12 pages (GPU, whose pages are multiples of 16: 16, 3, 6;
+// 48 readable tokens either way), block_table rows padded by 2 columns holding garbage.
 class Case {
  public:
   static constexpr int B = 2, Hq = 4, Hkv = 2, Hs = 2, Bq = 16, Bk = 16;
-  static constexpr int kPageSize = 8, kPagesPerSeq = 6, kTableStride = 8, kNumPages = 12;
+  const int page_size, pages_per_seq, table_stride, num_pages;
 
-  explicit Case(const Options& o) : opt(o), D(o.gpu ? 64 : 8) {
+  explicit Case(const Options& o)
+      : page_size(o.gpu ? 16 : 8),
+        pages_per_seq(48 / page_size),
+        table_stride(pages_per_seq + 2),
+        num_pages(o.gpu ? 6 : 12),
+        opt(o),
+        D(o.gpu ? 64 : 8) {
     const bool varlen_q = o.q_layout == QLayout::varlen;
     const bool paged = o.kv_layout == KVLayout::paged;
     const bool varlen_kv = varlen_q && !paged;
@@ -72,13 +79,13 @@ class Case {
     if (varlen_q) p.total_q = 60;
     if (varlen_kv) p.total_kv = 64;
     if (paged) {
-      p.page_size = kPageSize;
-      p.pages_per_seq = kPagesPerSeq;
-      p.num_pages = kNumPages;
+      p.page_size = page_size;
+      p.pages_per_seq = pages_per_seq;
+      p.num_pages = num_pages;
     }
 
     in.q = values(varlen_q ? std::vector<std::int64_t>{60, Hq, D} : std::vector<std::int64_t>{B, 40, Hq, D}, p.dtype);
-    const std::vector<std::int64_t> kv_shape = paged       ? std::vector<std::int64_t>{kNumPages, kPageSize, Hkv, D}
+    const std::vector<std::int64_t> kv_shape = paged       ? std::vector<std::int64_t>{num_pages, page_size, Hkv, D}
                                                : varlen_kv ? std::vector<std::int64_t>{64, Hkv, D}
                                                            : std::vector<std::int64_t>{B, 40, Hkv, D};
     in.k = values(kv_shape, p.dtype);
@@ -89,13 +96,15 @@ class Case {
     if (varlen_q) in.cu_seqlens_q = ints({B + 1}, {0, 40, 60});
     if (varlen_kv) in.cu_seqlens_k = ints({B + 1}, {0, 40, 64});
     if (paged) {
-      // Row 0 reads pages 0..4, row 1 pages 5..7; unread entries and the padding are garbage.
-      std::int32_t* table = alloc<std::int32_t>(B * kTableStride, 999);
-      for (int j = 0; j < kPagesPerSeq; ++j) {
-        table[j] = j < 5 ? j : -1;
-        table[kTableStride + j] = j < 3 ? 5 + j : -1;
+      // Row 0 reads pages 0..4, row 1 pages 5..7 (GPU: 0..2 and 3..4); unread entries and the
+      // padding are garbage.
+      std::int32_t* table = alloc<std::int32_t>(B * table_stride, 999);
+      const int pages0 = 40 / page_size, pages1 = (24 + page_size - 1) / page_size;
+      for (int j = 0; j < pages_per_seq; ++j) {
+        table[j] = j < pages0 ? j : -1;
+        table[table_stride + j] = j < pages1 ? pages0 + j : -1;
       }
-      in.block_table = TensorView::strided(table, DType::i32, {B, kPagesPerSeq}, {kTableStride, 1});
+      in.block_table = TensorView::strided(table, DType::i32, {B, pages_per_seq}, {table_stride, 1});
       in.seq_lens_kv = ints({B}, {40, 24});
     }
     if (o.format == Format::varlen_block_lists) {
@@ -347,7 +356,7 @@ class Case {
       return ints(shape, ids);
     };
     in.doc_q = varlen_q ? documents({60}, 60) : documents({B, 40}, B * 40);
-    in.doc_kv = paged      ? documents({B, kPagesPerSeq * kPageSize}, B * kPagesPerSeq * kPageSize)
+    in.doc_kv = paged      ? documents({B, pages_per_seq * page_size}, B * pages_per_seq * page_size)
                 : varlen_q ? documents({64}, 64)
                            : documents({B, 40}, B * 40);
     std::uint32_t* valid = alloc<std::uint32_t>(B * 2, 0xffffffffu);
@@ -684,12 +693,6 @@ TEST(Validation, BlockTableNarrowerThanPagesPerSeq) {
   expect_rejected(c, "block_table", "dimension 1 (C) is 5");
 }
 
-TEST(Validation, VarlenBitmaskRowsTooFew) {
-  Case c(with(Format::bitmask, QLayout::varlen, KVLayout::contiguous));
-  c.in.partial.bits.shape[1] = 4;
-  expect_rejected(c, "partial.bits", "has 4 rows (dimension 1), but the sequences have total_m_blocks = 5");
-}
-
 TEST(Validation, BitmaskWordsTooFew) {
   Case c(with(Format::bitmask, QLayout::batched, KVLayout::contiguous));
   c.in.partial.bits.shape[3] = 0;
@@ -763,190 +766,199 @@ TEST(Validation, OutputElementsShareMemory) {
 }
 
 // ---- Value rules (validate = true) -----------------------------------------------------------
+// One rule per entry; each runs on the CPU engine (ValueRule.*) and, with the metadata in device
+// memory, on a GPU plan (GpuValidation.EveryValueRuleOnDeviceMetadata), where the rules run as
+// device kernels and only a raised flag brings the metadata to the host to be named.
 
-TEST(Validation, IndexOutOfRange) {
-  Case c(lists_without_full());
-  c.set_row("partial", 1, 0, 2, {0, 3});
-  expect_rejected(c, "partial.indices", "row (b=1, hs=0, qb=2) entry 1 = 3 is outside [0, nKB(b) = 3)");
-}
+struct ValueRule {
+  const char* name;
+  Options options;
+  const char* argument;
+  std::function<std::string(Case&)> breaks;  // breaks one value; returns the expected message text
+  bool on_gpu = true;                        // false: a base the GPU kernels do not take
+};
 
-TEST(Validation, IndexOutsideItsSequence) {
-  // b=1 has 24 KV tokens: blocks 0..1. Block 2 exists only for b=0 (indices are sequence-local).
-  Case c(varlen_lists());
-  c.set_row("partial", 1, 1, 0, {2});
-  expect_rejected(c, "partial.indices", "row (b=1, hs=1, qb=0) entry 0 = 2 is outside [0, nKB(b) = 2)");
-}
-
-TEST(Validation, DuplicateIndex) {
-  Case c(lists_without_full());
-  c.set_row("partial", 1, 0, 1, {0, 1, 1});
-  expect_rejected(c, "partial.indices",
-                  "row (b=1, hs=0, qb=1) entry 2 = 1 is not above the previous entry 1 (duplicate)");
-}
-
-TEST(Validation, DescendingIndices) {
-  Case c(lists_without_full());
-  c.set_row("partial", 0, 1, 0, {2, 0});
-  expect_rejected(c, "partial.indices",
-                  "row (b=0, hs=1, qb=0) entry 1 = 0 is not above the previous entry 2 (descending)");
-}
-
-TEST(Validation, CountAboveL) {
-  Case c(lists_without_full());
-  c.at("partial.counts", {0, 1, 1}) = 4;
-  expect_rejected(c, "partial.counts", "row (b=0, hs=1, qb=1) count = 4 is outside [0, 3]");
-}
-
-TEST(Validation, NegativeCount) {
-  Case c(lists_without_full());
-  c.at("partial.counts", {1, 0, 0}) = -1;
-  expect_rejected(c, "partial.counts", "row (b=1, hs=0, qb=0) count = -1 is outside [0, 3]");
-}
-
-TEST(Validation, VarlenCountAboveSequenceBlocks) {
-  Case c(varlen_lists());
-  c.at("partial.counts", {0, c.cu_m[1] + 1}) = 3;
-  expect_rejected(c, "partial.counts", "row (b=1, hs=0, qb=1) count = 3 is outside [0, 2] (nKB(b) = 2)");
-}
-
-TEST(Validation, BsrIndptrFirstNotZero) {
-  Case c(with(Format::bsr, QLayout::batched, KVLayout::contiguous));
-  c.at("partial.indptr", {0}) = 1;
-  expect_rejected(c, "partial.indptr", "partial.indptr[0] = 1, expected 0");
-}
-
-TEST(Validation, BsrIndptrNotMonotone) {
-  Case c(with(Format::bsr, QLayout::batched, KVLayout::contiguous));
-  const std::int32_t next = c.at("partial.indptr", {5});
-  c.at("partial.indptr", {4}) = next + 1;
-  expect_rejected(c, "partial.indptr",
-                  "partial.indptr[5] = " + std::to_string(next) +
-                      " is below partial.indptr[4] = " + std::to_string(next + 1) + " (not monotone)");
-}
-
-TEST(Validation, BsrIndptrLastAboveNnz) {
-  Case c(with(Format::bsr, QLayout::batched, KVLayout::contiguous));
-  const std::int64_t nnz = c.in.partial.indices.shape[0];
-  c.at("partial.indptr", {12}) = static_cast<std::int32_t>(nnz + 1);
-  expect_rejected(c, "partial.indptr",
-                  "partial.indptr[12] = " + std::to_string(nnz + 1) + " is above nnz = " + std::to_string(nnz));
-}
-
-TEST(Validation, BsrRowCountMismatch) {
-  // Varlen rows: R = Hs * total_m_blocks = 2 * 5 is known from cu_seqlens_q only.
-  Case c(with(Format::bsr, QLayout::varlen, KVLayout::contiguous));
-  c.in.partial.indptr.shape[0] = 10;
-  expect_rejected(c, "partial.indptr", "has 10 entries, expected R + 1 = 11");
-}
-
-TEST(Validation, BsrDuplicateIndex) {
-  Case c(with(Format::bsr, QLayout::batched, KVLayout::contiguous));
-  // Row 0 = (b=0, hs=0, qb=0) selects block 1 (partial) and 2 (full); make it {1, 1}.
-  ASSERT_EQ(c.at("partial.indptr", {1}), 1);
-  c.at("partial.indptr", {1}) = 2;  // row 0 now also reads row 1's first entry
-  c.at("partial.indices", {1}) = c.at("partial.indices", {0});
-  expect_rejected(c, "partial.indices",
-                  "row (b=0, hs=0, qb=0) entry 1 = 1 is not above the previous entry 1 (duplicate)");
-}
-
-TEST(Validation, CuSeqlensStartAboveZero) {
-  Case c(varlen_lists());
-  c.at("cu_seqlens_q", {0}) = 4;
-  expect_rejected(c, "cu_seqlens_q", "cu_seqlens_q[0] = 4, expected 0");
-}
-
-TEST(Validation, CuSeqlensNotMonotone) {
-  Case c(varlen_lists());
-  c.at("cu_seqlens_q", {2}) = 30;
-  expect_rejected(c, "cu_seqlens_q", "cu_seqlens_q[2] = 30 is below cu_seqlens_q[1] = 40 (not monotone)");
-}
-
-TEST(Validation, CuSeqlensWrongEnd) {
-  Case c(varlen_lists());
-  c.at("cu_seqlens_k", {2}) = 60;
-  expect_rejected(c, "cu_seqlens_k", "cu_seqlens_k[2] = 60, expected total_kv = 64");
-}
-
-TEST(Validation, SequenceLongerThanMaxSeqlen) {
-  Case c(varlen_lists());
-  c.at("cu_seqlens_q", {1}) = 10;
-  expect_rejected(c, "cu_seqlens_q", "sequence b=1 has length 50, above max_seqlen_q = 40");
-}
-
-TEST(Validation, SequsedKAboveSequenceLength) {
-  Case c(varlen_lists());
-  c.in.seqused_k = c.ints({2}, {40, 30});
-  expect_rejected(c, "seqused_k", "seqused_k[1] = 30 is outside [0, 24]");
-}
-
-TEST(Validation, CuTotalMBlocksInconsistent) {
-  Case c(varlen_lists());
-  c.at("cu_total_m_blocks", {1}) = 2;
-  expect_rejected(
-      c, "cu_total_m_blocks",
-      "cu_total_m_blocks[1] = 2, but the exclusive prefix sum of nQB(b) implied by the sequence lengths is 3");
-}
-
-TEST(Validation, CuBlockIdxOffsetsInconsistent) {
-  Case c(varlen_lists());
-  c.at("cu_block_idx_offsets", {2}) = 12;
-  expect_rejected(c, "cu_block_idx_offsets",
-                  "cu_block_idx_offsets[2] = 12, but the exclusive prefix sum of nQB(b) * nKB(b) implied by the "
-                  "sequence lengths is 13");
-}
-
-TEST(Validation, VarlenIndicesTooShort) {
-  Case c(varlen_lists());
-  c.in.partial.indices.shape[1] = 12;
-  expect_rejected(c, "partial.indices", "has 12 columns, but the sequences need total_n_blocks = 13");
-}
-
-TEST(Validation, PageIdOutOfRange) {
-  Case c(with(Format::block_lists, QLayout::batched, KVLayout::paged));
-  c.at("block_table", {1, 2}) = Case::kNumPages;
-  expect_rejected(c, "block_table", "row b=1 entry 2 = 12 is outside [0, 11]");
-}
-
-TEST(Validation, UnreadablePaddedRow) {
-  // Row 1 would need 7 pages; the row has 6 readable entries, then padding.
-  Case c(with(Format::block_lists, QLayout::batched, KVLayout::paged));
-  c.at("seq_lens_kv", {1}) = 50;
-  expect_rejected(c, "seq_lens_kv", "seq_lens_kv[1] = 50 needs 7 pages, but only the first pages_per_seq = 6 entries");
-}
-
-TEST(Validation, SeqLensKvAboveCache) {
-  Case c(with(Format::block_lists, QLayout::varlen, KVLayout::paged));
-  c.at("seq_lens_kv", {0}) = 44;
-  expect_rejected(c, "seq_lens_kv", "seq_lens_kv[0] = 44 is above max_seqlen_kv = 40");
-}
-
-TEST(Validation, NegativeSeqLensKv) {
-  Case c(with(Format::block_lists, QLayout::batched, KVLayout::paged));
-  c.at("seq_lens_kv", {1}) = -3;
-  expect_rejected(c, "seq_lens_kv", "seq_lens_kv[1] = -3 is negative");
-}
-
-TEST(Validation, BlockInPartialAndFull) {
-  Case c(lists());
-  c.set_row("partial", 1, 1, 2, {0, 1});
-  c.set_row("full", 1, 1, 2, {1, 2});
-  expect_rejected(c, "full.indices", "row (b=1, hs=1, qb=2): KV block 1 is in both the partial and the full set");
-}
-
-TEST(Validation, BitmaskBlockInPartialAndFull) {
-  Case c(with(Format::bitmask, QLayout::batched, KVLayout::contiguous));
-  c.at("partial.bits", {0, 0, 0, 0}) |= 1 << 2;  // block 2 of this row is full in the base
-  expect_rejected(c, "full.bits", "row (b=0, hs=0, qb=0): KV block 2 is in both the partial and the full set");
-}
-
-TEST(Validation, ExplicitProxySetIndexOutOfRange) {
-  Options o = lists();
+Options features(Options o) {
   o.features = true;
-  Case c(o);
-  c.at("proxy.indices", {0, 0, 0, 0}) = 5;
-  c.at("proxy.counts", {0, 0, 0}) = 1;
-  expect_rejected(c, "proxy.indices", "row (b=0, hs=0, qb=0) entry 0 = 5 is outside [0, nKB(b) = 3)");
+  return o;
 }
+
+std::vector<ValueRule> value_rules() {
+  const Options bsr = with(Format::bsr, QLayout::batched, KVLayout::contiguous);
+  const Options paged = with(Format::block_lists, QLayout::batched, KVLayout::paged);
+  return {
+      {"VarlenBitmaskRowsTooFew", with(Format::bitmask, QLayout::varlen, KVLayout::contiguous), "partial.bits",
+       [](Case& c) {
+         c.in.partial.bits.shape[1] = 4;
+         return std::string("has 4 rows (dimension 1), but the sequences have total_m_blocks = 5");
+       }},
+      {"IndexOutOfRange", lists_without_full(), "partial.indices",
+       [](Case& c) {
+         c.set_row("partial", 1, 0, 2, {0, 3});
+         return std::string("row (b=1, hs=0, qb=2) entry 1 = 3 is outside [0, nKB(b) = 3)");
+       }},
+      // b=1 has 24 KV tokens: blocks 0..1. Block 2 exists only for b=0 (indices are sequence-local).
+      {"IndexOutsideItsSequence", varlen_lists(), "partial.indices",
+       [](Case& c) {
+         c.set_row("partial", 1, 1, 0, {2});
+         return std::string("row (b=1, hs=1, qb=0) entry 0 = 2 is outside [0, nKB(b) = 2)");
+       }},
+      {"DuplicateIndex", lists_without_full(), "partial.indices",
+       [](Case& c) {
+         c.set_row("partial", 1, 0, 1, {0, 1, 1});
+         return std::string("row (b=1, hs=0, qb=1) entry 2 = 1 is not above the previous entry 1 (duplicate)");
+       }},
+      {"DescendingIndices", lists_without_full(), "partial.indices",
+       [](Case& c) {
+         c.set_row("partial", 0, 1, 0, {2, 0});
+         return std::string("row (b=0, hs=1, qb=0) entry 1 = 0 is not above the previous entry 2 (descending)");
+       }},
+      {"CountAboveL", lists_without_full(), "partial.counts",
+       [](Case& c) {
+         c.at("partial.counts", {0, 1, 1}) = 4;
+         return std::string("row (b=0, hs=1, qb=1) count = 4 is outside [0, 3]");
+       }},
+      {"NegativeCount", lists_without_full(), "partial.counts",
+       [](Case& c) {
+         c.at("partial.counts", {1, 0, 0}) = -1;
+         return std::string("row (b=1, hs=0, qb=0) count = -1 is outside [0, 3]");
+       }},
+      {"VarlenCountAboveSequenceBlocks", varlen_lists(), "partial.counts",
+       [](Case& c) {
+         c.at("partial.counts", {0, c.cu_m[1] + 1}) = 3;
+         return std::string("row (b=1, hs=0, qb=1) count = 3 is outside [0, 2] (nKB(b) = 2)");
+       }},
+      {"BsrIndptrFirstNotZero", bsr, "partial.indptr",
+       [](Case& c) {
+         c.at("partial.indptr", {0}) = 1;
+         return std::string("partial.indptr[0] = 1, expected 0");
+       }},
+      {"BsrIndptrNotMonotone", bsr, "partial.indptr",
+       [](Case& c) {
+         const std::int32_t next = c.at("partial.indptr", {5});
+         c.at("partial.indptr", {4}) = next + 1;
+         return "partial.indptr[5] = " + std::to_string(next) + " is below partial.indptr[4] = " +
+                std::to_string(next + 1) + " (not monotone)";
+       }},
+      {"BsrIndptrLastAboveNnz", bsr, "partial.indptr",
+       [](Case& c) {
+         const std::int64_t nnz = c.in.partial.indices.shape[0];
+         c.at("partial.indptr", {12}) = static_cast<std::int32_t>(nnz + 1);
+         return "partial.indptr[12] = " + std::to_string(nnz + 1) + " is above nnz = " + std::to_string(nnz);
+       }},
+      // Varlen rows: R = Hs * total_m_blocks = 2 * 5 is known from cu_seqlens_q only.
+      {"BsrRowCountMismatch", with(Format::bsr, QLayout::varlen, KVLayout::contiguous), "partial.indptr",
+       [](Case& c) {
+         c.in.partial.indptr.shape[0] = 10;
+         return std::string("has 10 entries, expected R + 1 = 11");
+       }},
+      // Row 0 = (b=0, hs=0, qb=0) selects block 1 (partial) and 2 (full); make it {1, 1}.
+      {"BsrDuplicateIndex", bsr, "partial.indices",
+       [](Case& c) {
+         EXPECT_EQ(c.at("partial.indptr", {1}), 1);
+         c.at("partial.indptr", {1}) = 2;  // row 0 now also reads row 1's first entry
+         c.at("partial.indices", {1}) = c.at("partial.indices", {0});
+         return std::string("row (b=0, hs=0, qb=0) entry 1 = 1 is not above the previous entry 1 (duplicate)");
+       }},
+      {"CuSeqlensStartAboveZero", varlen_lists(), "cu_seqlens_q",
+       [](Case& c) {
+         c.at("cu_seqlens_q", {0}) = 4;
+         return std::string("cu_seqlens_q[0] = 4, expected 0");
+       }},
+      {"CuSeqlensNotMonotone", varlen_lists(), "cu_seqlens_q",
+       [](Case& c) {
+         c.at("cu_seqlens_q", {2}) = 30;
+         return std::string("cu_seqlens_q[2] = 30 is below cu_seqlens_q[1] = 40 (not monotone)");
+       }},
+      {"CuSeqlensWrongEnd", varlen_lists(), "cu_seqlens_k",
+       [](Case& c) {
+         c.at("cu_seqlens_k", {2}) = 60;
+         return std::string("cu_seqlens_k[2] = 60, expected total_kv = 64");
+       }},
+      {"SequenceLongerThanMaxSeqlen", varlen_lists(), "cu_seqlens_q",
+       [](Case& c) {
+         c.at("cu_seqlens_q", {1}) = 10;
+         return std::string("sequence b=1 has length 50, above max_seqlen_q = 40");
+       }},
+      {"SequsedKAboveSequenceLength", varlen_lists(), "seqused_k",
+       [](Case& c) {
+         c.in.seqused_k = c.ints({2}, {40, 30});
+         return std::string("seqused_k[1] = 30 is outside [0, 24]");
+       }},
+      {"CuTotalMBlocksInconsistent", varlen_lists(), "cu_total_m_blocks",
+       [](Case& c) {
+         c.at("cu_total_m_blocks", {1}) = 2;
+         return std::string(
+             "cu_total_m_blocks[1] = 2, but the exclusive prefix sum of nQB(b) implied by the sequence lengths is 3");
+       }},
+      {"CuBlockIdxOffsetsInconsistent", varlen_lists(), "cu_block_idx_offsets",
+       [](Case& c) {
+         c.at("cu_block_idx_offsets", {2}) = 12;
+         return std::string(
+             "cu_block_idx_offsets[2] = 12, but the exclusive prefix sum of nQB(b) * nKB(b) implied by the sequence "
+             "lengths is 13");
+       }},
+      {"VarlenIndicesTooShort", varlen_lists(), "partial.indices",
+       [](Case& c) {
+         c.in.partial.indices.shape[1] = 12;
+         return std::string("has 12 columns, but the sequences need total_n_blocks = 13");
+       }},
+      {"PageIdOutOfRange", paged, "block_table",
+       [](Case& c) {
+         c.at("block_table", {1, 1}) = c.num_pages;  // row 1 reads its entries 0 and 1 in both page sizes
+         return "row b=1 entry 1 = " + std::to_string(c.num_pages) + " is outside [0, " +
+                std::to_string(c.num_pages - 1) + "]";
+       }},
+      // Row 1 would need more pages than a row has readable entries before its padding.
+      {"UnreadablePaddedRow", paged, "seq_lens_kv",
+       [](Case& c) {
+         c.at("seq_lens_kv", {1}) = 50;
+         return "seq_lens_kv[1] = 50 needs " + std::to_string((50 + c.page_size - 1) / c.page_size) +
+                " pages, but only the first pages_per_seq = " + std::to_string(c.pages_per_seq) + " entries";
+       }},
+      {"SeqLensKvAboveCache", with(Format::block_lists, QLayout::varlen, KVLayout::paged), "seq_lens_kv",
+       [](Case& c) {
+         c.at("seq_lens_kv", {0}) = 44;
+         return std::string("seq_lens_kv[0] = 44 is above max_seqlen_kv = 40");
+       }},
+      {"NegativeSeqLensKv", paged, "seq_lens_kv",
+       [](Case& c) {
+         c.at("seq_lens_kv", {1}) = -3;
+         return std::string("seq_lens_kv[1] = -3 is negative");
+       }},
+      {"BlockInPartialAndFull", lists(), "full.indices",
+       [](Case& c) {
+         c.set_row("partial", 1, 1, 2, {0, 1});
+         c.set_row("full", 1, 1, 2, {1, 2});
+         return std::string("row (b=1, hs=1, qb=2): KV block 1 is in both the partial and the full set");
+       }},
+      {"BitmaskBlockInPartialAndFull", with(Format::bitmask, QLayout::batched, KVLayout::contiguous), "full.bits",
+       [](Case& c) {
+         c.at("partial.bits", {0, 0, 0, 0}) |= 1 << 2;  // block 2 of this row is full in the base
+         return std::string("row (b=0, hs=0, qb=0): KV block 2 is in both the partial and the full set");
+       }},
+      // The GPU takes proxy routes at head_dim 128 only; this base is D = 64 there.
+      {"ExplicitProxySetIndexOutOfRange", features(lists()), "proxy.indices",
+       [](Case& c) {
+         c.at("proxy.indices", {0, 0, 0, 0}) = 5;
+         c.at("proxy.counts", {0, 0, 0}) = 1;
+         return std::string("row (b=0, hs=0, qb=0) entry 0 = 5 is outside [0, nKB(b) = 3)");
+       },
+       false},
+  };
+}
+
+class ValueRuleTest : public ::testing::TestWithParam<ValueRule> {};
+
+TEST_P(ValueRuleTest, RejectsAndWritesNothing) {
+  const ValueRule& rule = GetParam();
+  Case c(rule.options);
+  const std::string text = rule.breaks(c);
+  expect_rejected(c, rule.argument, text);
+}
+
+INSTANTIATE_TEST_SUITE_P(Validation, ValueRuleTest, ::testing::ValuesIn(value_rules()),
+                         [](const ::testing::TestParamInfo<ValueRule>& info) { return std::string(info.param.name); });
 
 TEST(Validation, ExplicitProxySetMayNameSelectedBlocks) {
   // Selected blocks are computed exactly and skipped by the proxy set: not an error.
@@ -1041,10 +1053,15 @@ Options on_gpu(Options o) {
   return o;
 }
 
+// Every valid base the GPU takes (proxy sets only at head_dim 128: features with all_blocks only)
+// passes the device value checks and is computed.
 TEST(GpuValidation, ValidBasesAreAccepted) {
   if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
-  for (const Options& o : {lists(), varlen_lists(), with(Format::bsr, QLayout::varlen, KVLayout::contiguous),
-                           with(Format::bitmask, QLayout::batched, KVLayout::contiguous)}) {
+  for (const BaseParam& b : base_params()) {
+    if (b.features && b.format != Format::all_blocks) continue;
+    Options o = with(b.format, b.q, b.kv);
+    o.features = b.features;
+    SCOPED_TRACE(base_name(::testing::TestParamInfo<BaseParam>(b, 0)));
     Case c(on_gpu(o));
     c.poison();
     {
@@ -1055,29 +1072,22 @@ TEST(GpuValidation, ValidBasesAreAccepted) {
   }
 }
 
-TEST(GpuValidation, BlockIndicesAreReadFromTheDevice) {
+// Each value rule with its metadata in device memory: the device checks raise their flag, the host
+// then names the same argument and value as the CPU engine, and nothing is written.
+TEST(GpuValidation, EveryValueRuleOnDeviceMetadata) {
   if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
-  Case c(on_gpu(lists()));
-  c.set_row("partial", 1, 0, 1, {0, 1, 1});
-  c.poison();
-  {
-    OnDevice device(c);
-    expect_error(c, "partial.indices",
-                 "row (b=1, hs=0, qb=1) entry 2 = 1 is not above the previous entry 1 (duplicate)");
+  for (const ValueRule& rule : value_rules()) {
+    if (!rule.on_gpu) continue;
+    SCOPED_TRACE(rule.name);
+    Case c(on_gpu(rule.options));
+    const std::string text = rule.breaks(c);
+    c.poison();
+    {
+      OnDevice device(c);
+      expect_error(c, rule.argument, text);
+    }
+    EXPECT_EQ(c.poisoned(), c.output_elements());
   }
-  EXPECT_EQ(c.poisoned(), c.output_elements());
-}
-
-TEST(GpuValidation, LengthsAreReadFromTheDevice) {
-  if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
-  Case c(on_gpu(varlen_lists()));
-  c.at("cu_seqlens_q", {2}) = 30;
-  c.poison();
-  {
-    OnDevice device(c);
-    expect_error(c, "cu_seqlens_q", "cu_seqlens_q[2] = 30 is below cu_seqlens_q[1] = 40 (not monotone)");
-  }
-  EXPECT_EQ(c.poisoned(), c.output_elements());
 }
 
 TEST(GpuValidation, HostMetadataOnAGpuProblem) {
@@ -1096,7 +1106,7 @@ TEST(GpuValidation, ValueChecksInsideGraphCaptureFailCleanly) {
   c.poison();
   {
     OnDevice device(c);
-    Plan plan(c.p);  // validate = true: run() reads metadata on the host
+    Plan plan(c.p);  // validate = true: run() reads the value checks' flag on the host
     cudaStream_t stream = nullptr;
     expect_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     expect_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));

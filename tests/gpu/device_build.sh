@@ -16,7 +16,7 @@ tar xzf "$dir/gtest.tgz" -C "$deps/gtest"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBSATTN_ENABLE_CUDA=ON -DBSATTN_BUILD_TOOLS=OFF \
   -DCUTLASS_INCLUDE_DIR="$deps/cutlass" -DGTEST_ROOT="$deps/gtest" ${BSATTN_CMAKE_ARGS:-} >"$build.configure.log" 2>&1 ||
   { cat "$build.configure.log"; exit 1; }
-cmake --build "$build" -j "$(nproc)" --target bsattn_gpu_test bsattn_bench > "$build.log" 2>&1 || { grep -E "error|Error" "$build.log" | head -40; exit 1; }
+cmake --build "$build" -j "$(nproc)" --target bsattn_gpu_test bsattn_validation_test bsattn_bench > "$build.log" 2>&1 || { grep -E "error|Error" "$build.log" | head -40; exit 1; }
 # Kernels with spills (ptxas -v prints "Function properties for NAME" before each figure line).
 awk '/Function properties for/{f=$NF} /spill stores/ && !/ 0 bytes spill stores, 0 bytes spill loads/{print f ": " $0}' \
   "$build.log" | sort -u | (c++filt 2>/dev/null || cat) | cut -c1-400 | head -40 || true

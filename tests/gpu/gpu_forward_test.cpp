@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "bsattn/route/prepare.hpp"
@@ -309,6 +310,14 @@ TEST(GpuPlan, RejectsUnsupported) {
   p.max_seqlen_q = p.max_seqlen_kv = 128;
   p.dtype = DType::f32;
   EXPECT_THROW(Plan{p}, Error);
+  p.dtype = DType::bf16;
+  p.scale = -0.125f;  // the row max and the -inf mask assume a positive scale
+  try {
+    Plan{p};
+    ADD_FAILURE() << "a negative scale was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("problem.scale"), std::string::npos) << e.what();
+  }
 }
 
 void poison_element(Buffer* b, std::size_t valid_elems, float value, std::mt19937_64& rng) {

@@ -71,6 +71,9 @@ struct RouteParams {
 
   // Route stream: row r = (b * Hs + hs) * max_q_tiles + q_tile.
   int capacity = 0;  // records per row
+  // GPU runs with validate = true: the device value checks' flag word (gpu/check_values.hpp);
+  // while it is raised, route preparation reads no metadata and prepares no row.
+  const std::int32_t* values_invalid = nullptr;
 };
 
 // Per-sequence lengths and token bases.

@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
         wait_full(bars.full_k, j + 1);
         if constexpr (kPingPong) barrier_sync(kSchedBarrier0 + wg, 256);
         wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, (j + 1) % kStages), tSrS);
-        scale_rows(o_rc, rescale);
+        rescale_output(o_rc, rescale);
         wait_full(bars.full_v, j);
         wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, j % kStages), tOrO);
         if constexpr (kPingPong) barrier_arrive(kSchedBarrier0 + (1 - wg), 256);
@@ -419,7 +419,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
         if (wg == 0) barrier_sync(kSchedBarrier0, 256);
       }
       // Last PV.
-      scale_rows(o_rc, rescale);
+      rescale_output(o_rc, rescale);
       wait_full(bars.full_v, last);
       wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, last % kStages), tOrO);
       // Then the next tile's first S GEMM, or, where there is none, a discarded S GEMM on this

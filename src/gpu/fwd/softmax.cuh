@@ -2,6 +2,11 @@
 // a row is spread over the 4 threads of a quad). Scores stay in raw units; exp2 with a folded
 // log2(e) * scale. A row that has seen nothing keeps max = -inf and sum = 0 (empty row: O = 0,
 // LSE = -inf, never NaN).
+// The row max is lazy: it is raised only when a step's max exceeds it by more than 2^kStaleMaxLog2
+// in exp2 units, so most steps after the first leave it, and the factor of O, unchanged (factor
+// exactly 1, and the caller skips O's rescale where no row of a warp moved: `rescale_output`).
+// Exact, not an approximation: O, the sum and LSE all use the kept max, and p <= 2^8 stays far
+// inside fp32 and bf16/fp16 range (the sum of 2^17 such p is 2^25).
 #pragma once
 #include <cmath>
 
@@ -21,6 +26,8 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 struct UnitColumnWeight {
   static constexpr bool kUnit = true;
 };
+
+constexpr float kStaleMaxLog2 = 8.0f;
 
 template <int kRows>
 struct OnlineSoftmax {
@@ -48,10 +55,11 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int j = 0; j < size<1>(s); ++j) mx = fmaxf(mx, s(i, j));
       mx = quad_max(mx);
-      const bool none = mx == -INFINITY;
-      rescale[i] = none ? 1.0f : exp2_ftz((row_max[i] - mx) * scale_log2);
-      row_max[i] = mx;
-      const float offset = none ? 0.0f : mx * scale_log2;
+      // False for equal infinities (NaN difference): the kept +inf max already made the row NaN.
+      const bool raise = (mx - row_max[i]) * scale_log2 > kStaleMaxLog2;
+      rescale[i] = raise ? exp2_ftz((row_max[i] - mx) * scale_log2) : 1.0f;
+      if (raise) row_max[i] = mx;
+      const float offset = row_max[i] == -INFINITY ? 0.0f : row_max[i] * scale_log2;
       float sum = 0.0f;
       CUTE_UNROLL
       for (int j = 0; j < size<1>(s); ++j) {
@@ -85,6 +93,16 @@ __device__ __forceinline__ void scale_rows(TO& o, const float (&f)[kRows]) {
     CUTE_UNROLL
     for (int j = 0; j < size<1>(o); ++j) o(i, j) *= f[i];
   }
+}
+
+// O's rescale after a softmax step, skipped by a whole warp when none of its rows' max moved (the
+// lazy max leaves most factors exactly 1): a warp-uniform branch around kRows x D multiplies.
+template <int kRows, class TO>
+__device__ __forceinline__ void rescale_output(TO& o, const float (&f)[kRows]) {
+  bool moved = false;
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) moved |= f[i] != 1.0f;
+  if (__any_sync(0xffffffffu, moved)) scale_rows(o, f);
 }
 
 }  // namespace bsattn::gpu::fwd
