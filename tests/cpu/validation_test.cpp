@@ -31,10 +31,10 @@ struct Options {
   bool full = true;        // a full set beside the partial one (formats with sets)
   bool features = false;   // document ids, kv_valid bits and an explicit proxy set with summaries
   bool broadcast = false;  // sparsity_batch 1 where B would be allowed
-  bool gpu = false;        // a problem the GPU kernels take: bf16, D = 64 (tensors stay on the host)
+  bool gpu = false;        // a problem the GPU kernels take: bf16, D = 128 (tensors stay on the host)
 };
 
-// A valid problem and its tensors: B=2, Hq=4, Hkv=Hs=2, D=8 (GPU: 64), Bq=Bk=16, f32 (GPU: bf16). Batched sequences
+// A valid problem and its tensors: B=2, Hq=4, Hkv=Hs=2, D=8 (GPU: 128), Bq=Bk=16, f32 (GPU: bf16). Batched sequences
 // are 40 tokens (nQB = nKB = 3); varlen Q lengths {40, 20}, varlen / paged KV lengths {40, 24}.
 // Paged: page_size 8, pages_per_seq 6, 12 pages (GPU, whose pages are multiples of 16: 16, 3, 6;
 // 48 readable tokens either way), block_table rows padded by 2 columns holding garbage.
@@ -49,7 +49,7 @@ class Case {
         table_stride(pages_per_seq + 2),
         num_pages(o.gpu ? 6 : 12),
         opt(o),
-        D(o.gpu ? 64 : 8) {
+        D(o.gpu ? 128 : 8) {
     const bool varlen_q = o.q_layout == QLayout::varlen;
     const bool paged = o.kv_layout == KVLayout::paged;
     const bool varlen_kv = varlen_q && !paged;
@@ -99,7 +99,7 @@ class Case {
       // Row 0 reads pages 0..4, row 1 pages 5..7 (GPU: 0..2 and 3..4); unread entries and the
       // padding are garbage.
       std::int32_t* table = alloc<std::int32_t>(B * table_stride, 999);
-      const int pages0 = 40 / page_size, pages1 = (24 + page_size - 1) / page_size;
+      const int pages0 = (40 + page_size - 1) / page_size, pages1 = (24 + page_size - 1) / page_size;
       for (int j = 0; j < pages_per_seq; ++j) {
         table[j] = j < pages0 ? j : -1;
         table[table_stride + j] = j < pages1 ? pages0 + j : -1;
@@ -775,7 +775,6 @@ struct ValueRule {
   Options options;
   const char* argument;
   std::function<std::string(Case&)> breaks;  // breaks one value; returns the expected message text
-  bool on_gpu = true;                        // false: a base the GPU kernels do not take
 };
 
 Options features(Options o) {
@@ -937,14 +936,12 @@ std::vector<ValueRule> value_rules() {
          c.at("partial.bits", {0, 0, 0, 0}) |= 1 << 2;  // block 2 of this row is full in the base
          return std::string("row (b=0, hs=0, qb=0): KV block 2 is in both the partial and the full set");
        }},
-      // The GPU takes proxy routes at head_dim 128 only; this base is D = 64 there.
       {"ExplicitProxySetIndexOutOfRange", features(lists()), "proxy.indices",
        [](Case& c) {
          c.at("proxy.indices", {0, 0, 0, 0}) = 5;
          c.at("proxy.counts", {0, 0, 0}) = 1;
          return std::string("row (b=0, hs=0, qb=0) entry 0 = 5 is outside [0, nKB(b) = 3)");
-       },
-       false},
+       }},
   };
 }
 
@@ -1053,12 +1050,10 @@ Options on_gpu(Options o) {
   return o;
 }
 
-// Every valid base the GPU takes (proxy sets only at head_dim 128: features with all_blocks only)
-// passes the device value checks and is computed.
+// Every valid base passes the device value checks and is computed.
 TEST(GpuValidation, ValidBasesAreAccepted) {
   if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
   for (const BaseParam& b : base_params()) {
-    if (b.features && b.format != Format::all_blocks) continue;
     Options o = with(b.format, b.q, b.kv);
     o.features = b.features;
     SCOPED_TRACE(base_name(::testing::TestParamInfo<BaseParam>(b, 0)));
@@ -1077,7 +1072,6 @@ TEST(GpuValidation, ValidBasesAreAccepted) {
 TEST(GpuValidation, EveryValueRuleOnDeviceMetadata) {
   if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
   for (const ValueRule& rule : value_rules()) {
-    if (!rule.on_gpu) continue;
     SCOPED_TRACE(rule.name);
     Case c(on_gpu(rule.options));
     const std::string text = rule.breaks(c);
