@@ -136,6 +136,25 @@ def cpp_rows(q, k, v):
                                                     benchlib.stream(), bursts, ARGS.burst, us))
         rows.append(f"| C++ Plan::run, validate={bool(validate)} (host time, target <= 8 us; fastest burst "
                     f"{us[1]:.1f}) | — | {us[0]:.1f} | — |")
+    # Block lists (one pattern per head, half the blocks of each row): validate = True checks their
+    # values on the device and reads back one flag word (issue 14: one small copy, no metadata copy).
+    if not hasattr(lib, "bsattn_bench_host_time_lists"):
+        return rows
+    lists = benchlib.Plan(lib, lib.bsattn_bench_plan_kv_lists(1, S, S, H, H, D, 0, 0, 0, 0, 1, 128, 1, H))
+    nqb = S // 128
+    chosen = torch.rand(H, nqb, nqb, device="cuda").argsort(dim=-1)[..., : nqb // 2].sort(dim=-1).values
+    idx = torch.zeros(1, H, nqb, nqb, dtype=torch.int32, device="cuda")
+    idx[0, :, :, : nqb // 2] = chosen.int()
+    cnt = torch.full((1, H, nqb), nqb // 2, dtype=torch.int32, device="cuda")
+    for validate in (0, 1):
+        benchlib.ok(lib, lib.bsattn_bench_set_validate(lists.h, validate))
+        us = (ctypes.c_double * 2)()
+        iters = ARGS.iters if not validate else max(100, ARGS.iters // 10)
+        benchlib.ok(lib, lib.bsattn_bench_host_time_lists(lists.h, *(benchlib.ptr(t) for t in (q, k, v, cnt, idx, out)),
+                                                          benchlib.stream(), max(20, iters // ARGS.burst), ARGS.burst,
+                                                          us))
+        rows.append(f"| C++ Plan::run, block lists, validate={bool(validate)} (host time; fastest burst "
+                    f"{us[1]:.1f}) | — | {us[0]:.1f} | — |")
     return rows
 
 

@@ -333,19 +333,21 @@ int bsattn_bench_set_proxy(void* handle, int mode, void* k_summary, void* v_summ
   }
 }
 
-// Host time of Plan::run for a bsattn_bench_plan_kv plan (contiguous K/V): what one run() costs
+// Host time of Plan::run for a bsattn_bench_plan_kv(_lists) plan (contiguous K/V; cnt and idx its
+// block lists, null for all blocks): what one run() costs
 // the thread that issues it. Runs are timed in `bursts` bursts of `burst` back-to-back calls on
 // the host clock, the stream synchronised (Plan::check) before each burst, outside the clock: a
 // burst must be short enough (e.g. 32 runs, a few hundred launches) that the launch queue never
 // fills, else the host waits for the GPU and the clock measures GPU time, not the host's cost.
 // Writes the median over bursts of the per-call time (microseconds) to host_us[0] and the
 // smallest to host_us[1]; returns 0, or -1 (bsattn_bench_error says why).
-int bsattn_bench_host_time(void* handle, void* q, void* k, void* v, void* out, void* stream, int bursts, int burst,
-                           double* host_us) {
+int bsattn_bench_host_time_lists(void* handle, void* q, void* k, void* v, void* cnt, void* idx, void* out, void* stream,
+                                 int bursts, int burst, double* host_us) {
   try {
     auto* b = static_cast<BenchPlan*>(handle);
     if (bursts < 1 || burst < 1) throw std::invalid_argument("bursts and burst must be >= 1");
-    const bsattn::Inputs in = qkv_inputs(b->problem, q, k, v, nullptr, nullptr);
+    bsattn::Inputs in = qkv_inputs(b->problem, q, k, v, nullptr, nullptr);
+    if (cnt) bind_block_lists(b->problem, in, cnt, idx);
     const bsattn::Outputs o = batched_outputs(b->problem, out, nullptr);
     b->plan.run(in, o, stream);  // warm: first-run work (driver entry points, tensor maps) off the clock
     b->plan.check(stream);
@@ -366,6 +368,12 @@ int bsattn_bench_host_time(void* handle, void* q, void* k, void* v, void* out, v
     g_error = e.what();
     return -1;
   }
+}
+
+// bsattn_bench_host_time_lists without block lists (all-blocks plans).
+int bsattn_bench_host_time(void* handle, void* q, void* k, void* v, void* out, void* stream, int bursts, int burst,
+                           double* host_us) {
+  return bsattn_bench_host_time_lists(handle, q, k, v, nullptr, nullptr, out, stream, bursts, burst, host_us);
 }
 
 // Re-plans a bsattn_bench_plan plan for the backward too (problem.backward = true, which sizes the

@@ -36,6 +36,7 @@ SIGNATURES = {
     "bsattn_bench_set_validate": (_I, [_P, _I]),
     "bsattn_bench_set_proxy": (_I, [_P, _I, _P, _P]),
     "bsattn_bench_host_time": (_I, [_P] * 6 + [_I, _I, ctypes.POINTER(_D)]),
+    "bsattn_bench_host_time_lists": (_I, [_P] * 8 + [_I, _I, ctypes.POINTER(_D)]),
     "bsattn_bench_set_backward": (_I, [_P, _I]),
     "bsattn_bench_run_backward": (_I, [_P] * 13),
     "bsattn_bench_plan_varlen": (_P, [_I, _I, _I64] + [_I] * 8),

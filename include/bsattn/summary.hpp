@@ -14,7 +14,7 @@ namespace bsattn {
 // problem.device picks the engine: Device::cpu computes on the calling thread's pool and returns
 // when done; Device::cuda (f32, f16 or bf16, any D and page size the problem allows) only
 // launches one kernel on `stream`: no allocation, and no host sync unless problem.validate
-// (whose value checks copy the metadata to the host after a device sync, as attention() does).
+// (whose value checks copy the length metadata to the host after a device sync).
 void build_summaries(const Problem& problem, const Inputs& inputs, const TensorView& k_summary,
                      const TensorView& v_summary, Stream stream = nullptr);
 

@@ -21,7 +21,7 @@ options, and a repeated key passes only data pointers to its cached plan.
 Each distinct problem is planned once and cached (plan() allocates; a CUDA graph must capture
 calls whose plan exists, so warm up first). Calls of the same problem share that plan's
 workspace: they must not run concurrently on different streams. Capture needs
-``validate=False``: value validation reads metadata on the host.
+``validate=False``: value validation reads a flag on the host (and, when it is raised, the metadata).
 """
 
 import atexit
