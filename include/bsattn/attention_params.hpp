@@ -53,6 +53,9 @@ struct AttentionParams {
   // (zero before each launch). The CPU engine does not use them.
   const std::int32_t* row_order = nullptr;  // null: index order (work items do not queue)
   std::int32_t* work_counter = nullptr;
+  // GPU: no route preparation ran; each route row's routes are every KV tile up to its last
+  // visible key (route::routes_follow_lengths, prefix_tiles), made by the kernel itself.
+  bool routes_from_lengths = false;
 
   BSATTN_HD std::int64_t q_offset(int b, const route::SeqInfo& s, int q, int h) const {
     return route.varlen_q ? (s.q_base + q) * q_token_stride + h * q_head_stride

@@ -446,10 +446,12 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
                                      (p.heads_q / p.sparsity_heads / std::max(1, tiles.packed_heads)) *
                                      std::max(1, tiles.kv_splits);
   const bool items_fit = items_at_most <= gpu::multiprocessors(problem.device_index);
-  // A decode step whose routes follow from the sequence lengths (route/prepare.hpp) and whose
-  // rows need no sort is one launch: the kernel makes its routes.
-  const bool routes_from_lengths = tiles.packed_heads > 0 && items_fit && route::routes_follow_lengths(p);
-  prepare_gpu_routes(a, stream, !routes_from_lengths);
+  // A run whose routes follow from the sequence lengths (all blocks, positional mask only:
+  // route/prepare.hpp) and whose rows need no sort is one launch: the kernel makes its routes (a
+  // decode step, or a prefill small enough that its work items all start at once: issue 14's
+  // host time).
+  a.routes_from_lengths = items_fit && route::routes_follow_lengths(p);
+  prepare_gpu_routes(a, stream, !a.routes_from_lengths);
   if (!items_fit)
     cuda_check(gpu::order_rows_longest_first(ws.counts, a.route_rows, ws.row_order, s), "order_rows_longest_first");
   else
@@ -468,7 +470,6 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   gpu::DecodeShape decode;
   decode.packed_heads = tiles.packed_heads;
   decode.kv_splits = tiles.kv_splits;
-  decode.routes_from_lengths = routes_from_lengths;
   if (tiles.kv_splits == 1) {
     cuda_check(gpu::run_forward(a, extents, ws.overflow, s, &decode), "forward kernel launch");
     return;

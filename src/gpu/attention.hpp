@@ -30,9 +30,6 @@ struct DecodeShape {
   merge::Layout result;
   ElementType result_type = ElementType::bf16;
   std::int32_t* split_arrivals = nullptr;
-  // The routes follow from the sequence lengths (every KV tile up to the last visible key: route
-  // preparation did not run; route/params.hpp prefix_tiles): the kernel makes them itself.
-  bool routes_from_lengths = false;
 };
 
 // KV tile width of the kernel that serves a route tile_n (the smallest compiled width >= tile_n),

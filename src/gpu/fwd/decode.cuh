@@ -31,7 +31,6 @@ struct DecodeGeometry {
   merge::Layout result;  // with splits: where merge_splits writes O and LSE (the caller's outputs)
   ElementType result_type = ElementType::bf16;
   std::int32_t* split_arrivals = nullptr;  // with splits: per (route row, head group), zero between launches
-  int routes_from_lengths = 0;  // DecodeShape::routes_from_lengths
   // With splits: the kv_splits CTAs of a (route row, head group) form a cluster and merge through
   // distributed shared memory (merge_cluster_splits); else through the workspace (merge_splits).
   // Chosen at launch (launch.cuh) where such clusters all fit on the device at once.
@@ -49,7 +48,6 @@ inline DecodeGeometry decode_geometry(const DecodeShape& s) {
   g.result = s.result;
   g.result_type = s.result_type;
   g.split_arrivals = s.split_arrivals;
-  g.routes_from_lengths = s.routes_from_lengths ? 1 : 0;
   return g;
 }
 

@@ -116,13 +116,14 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
   // launch, launch.cuh): nothing the preparation writes is read before this wait (elsewhere a
   // no-op), so the CTAs' placement and barrier setup overlap it. With rows in index order (no
   // sort) the tile warp places its first tile and loads its Q first, and waits then (hand_out).
-  // Routes made from the sequence lengths (decode.cuh DecodeGeometry::routes_from_lengths): only
-  // with the positional mask, so never in the kernels that read token tensors. No route
-  // preparation ran, so nothing can overflow and the flag is not read (a dependent load less
-  // before the first tile), and nothing is waited for: the first tile's routes go to the loader
-  // before its Q is loaded.
-  constexpr bool kFromLengths = T::kDecode && !kTokenTensors;
-  const bool may_overflow = !(kFromLengths && desc.decode.routes_from_lengths);
+  // Routes made from the sequence lengths (AttentionParams::routes_from_lengths; a decode step or
+  // a prefill whose work items all fit at once): only with the positional mask, so never in the
+  // kernels that read token tensors nor in the proxy kernels. No route preparation ran, so nothing
+  // can overflow and the flag is not read (a dependent load less before the first tile), and
+  // nothing is waited for: the first tile's routes go to the loader before its Q is loaded.
+  constexpr bool kFromLengths = !kTokenTensors && !kProxy;
+  const bool from_lengths = kFromLengths && a.routes_from_lengths;
+  const bool may_overflow = !from_lengths;
   const bool q_before_routes = T::kDecode && a.row_order == nullptr && may_overflow;
   if (!(q_before_routes && role == 0 && tid / 32 == C::kTileWarp)) {
     if constexpr (T::kDecode) asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
         if (lane == 0) {
           if (has_tile)
             tile_routes(a, !prev.written ? 0 : prev.first + prev.count, slot, kProxy ? kBlockN : 0, splits,
-                        kFromLengths && desc.decode.routes_from_lengths);
+                        from_lengths);
           slot.written = 1;
           if (!prev.written) timeline_mark(desc.timeline, kTileDecoded);
         }

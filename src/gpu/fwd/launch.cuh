@@ -148,7 +148,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
     // no preparation precedes the kernel, an ordinary launch.
     cudaLaunchAttribute attrs[2] = {};
     attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[0].val.programmaticStreamSerializationAllowed = decode.routes_from_lengths ? 0 : 1;
+    attrs[0].val.programmaticStreamSerializationAllowed = a->routes_from_lengths ? 0 : 1;
     attrs[1].id = cudaLaunchAttributeClusterDimension;  // the splits of an item: adjacent CTAs
     attrs[1].val.clusterDim.x = desc.decode.cluster_merge ? decode.kv_splits : 1;
     attrs[1].val.clusterDim.y = attrs[1].val.clusterDim.z = 1;
