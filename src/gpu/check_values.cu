@@ -286,9 +286,12 @@ __global__ void __launch_bounds__(kRowThreads)
 
 cudaError_t check_values(const formats::ValueCheckParams& c, std::int32_t* flags, std::int32_t* cu_m,
                          std::int32_t* cu_idx, cudaStream_t stream) {
-  check_lengths_kernel<<<1, kLengthThreads, 0, stream>>>(c, flags, cu_m, cu_idx);
-  if (c.geo.format == route::SetFormat::all_blocks) return cudaGetLastError();
   const route::RouteParams& g = c.geo;
+  // Batched dense attention has no metadata: nothing to launch, and the flag (never raised for
+  // such a plan) stays 0.
+  if (!g.varlen_q && !g.varlen_kv && !g.paged && g.format == route::SetFormat::all_blocks) return cudaSuccess;
+  check_lengths_kernel<<<1, kLengthThreads, 0, stream>>>(c, flags, cu_m, cu_idx);
+  if (g.format == route::SetFormat::all_blocks) return cudaGetLastError();
   // Varlen rows: Hs * total_m_blocks, and total_m_blocks <= total_q / Bq + B.
   const std::int64_t rows = c.varlen_rows
                                 ? static_cast<std::int64_t>(g.sparsity_heads) * (c.total_q / g.block_q + g.batch)

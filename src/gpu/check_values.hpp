@@ -12,7 +12,8 @@
 namespace bsattn::gpu {
 
 // Enqueues the checks on `stream`: flags[kValuesInvalidWord] (prepare_routes.hpp) becomes 1 if a
-// value breaks a rule, else 0. `cu_m` and `cu_idx` ([B+1], device) receive the varlen block offsets
+// value breaks a rule, else 0 (a problem without metadata, batched dense attention, launches
+// nothing: its flag stays 0). `cu_m` and `cu_idx` ([B+1], device) receive the varlen block offsets
 // the lengths imply (the values route preparation derives). Route preparation given
 // RouteParams::values_invalid prepares nothing while the flag is raised, so no kernel reads through
 // a bad value.
