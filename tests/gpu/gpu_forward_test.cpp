@@ -14,6 +14,7 @@
 #include "gpu/prepare_routes.hpp"
 #include "gpu_case.hpp"
 #include "gpu_compare.hpp"
+#include "gpu_paged.hpp"
 
 namespace bsattn_gpu_test {
 namespace {
@@ -249,6 +250,53 @@ TEST(GpuForward, GraphReplayWithChangedMetadata) {
     cudaGraphDestroy(graph);
     cudaStreamDestroy(stream);
   }
+}
+
+// Prefill runs whose routes follow from the sequence lengths (every block; a mask that leaves each
+// row a prefix of its keys: none, causal in both alignments, a right window, sinks) and whose work
+// items fit the multiprocessors make their routes in the kernel, with no route preparation: a
+// capacity of one record per row, which route preparation would overflow, still gives the CPU
+// engine's result. Batched, varlen and paged K/V; 128- and 64-row tiles, 128- and 64-wide K/V.
+TEST(GpuForward, PrefillWithRoutesFromLengths) {
+  REQUIRE_SM90();
+  struct Variant {
+    int mask;  // CaseSpec mask: 0 none, 1 causal
+    bool top_left;
+    int window_right, sinks;  // set on a mask-free case: a right window and sinks, not causal
+  };
+  const Variant variants[] = {{0, false, -1, 0}, {1, false, -1, 0}, {1, true, -1, 0}, {0, false, 37, 20}, {1, false, -1, 24}};
+  const int blocks[][2] = {{128, 128}, {64, 64}, {128, 64}};
+  std::mt19937_64 rng(91);
+  std::uint64_t seed = 9100;
+  for (const Variant& v : variants)
+    for (int layout = 0; layout < 3; ++layout)  // 0 batched, 1 varlen, 2 paged pages of 16
+      for (const auto& bl : blocks) {
+        CaseSpec spec;
+        spec.format = Format::all_blocks;
+        spec.varlen = layout == 1;
+        spec.bq = bl[0];
+        spec.bk = bl[1];
+        spec.mask = v.mask;
+        spec.seed = seed++;
+        auto c = make_case(spec);
+        if (layout == 2) page_kv(*c, 16, rng);
+        c->problem.mask.alignment = v.top_left ? Alignment::top_left : Alignment::bottom_right;
+        c->problem.mask.window_right = v.window_right;
+        c->problem.mask.sink_tokens = v.sinks;
+        c->problem.max_routes_per_row = 1;
+        SCOPED_TRACE(c->name + " layout " + std::to_string(layout) + " mask " + std::to_string(v.mask) +
+                     (v.top_left ? " top-left" : "") + " window_right " + std::to_string(v.window_right) +
+                     " sinks " + std::to_string(v.sinks));
+        c->poison_outputs();
+        {
+          Plan plan(c->problem);
+          plan.run(c->in_device, c->out_device, nullptr);
+          plan.check(nullptr);  // throws on an overflow: none, as no route is stored
+          CUDA_OK(cudaDeviceSynchronize());
+        }
+        c->problem.max_routes_per_row = 0;  // the CPU engine prepares routes
+        expect_close(*c, download(*c), run_cpu(*c));
+      }
 }
 
 // A route capacity too small: with validation run() throws before writing; without, the kernel
