@@ -60,7 +60,10 @@ struct WsConfig {
 
 // kTokenTensors: the mask policy (RouteMask::apply); the launch picks the kernel by problem.
 // kProxy: proxy compensation (proxy.cuh), only in the kernels of problems with proxy routes.
-template <class T, bool kTokenTensors, bool kProxy = false>
+// kFromLengths: the kernel can make its routes from the sequence lengths (a runtime choice,
+// AttentionParams::routes_from_lengths): compiled into the decode kernel, and a prefill instance of
+// its own, since the path cost the common prefill kernel 3-5 % (bench/RESULTS.md, 2026-12-03).
+template <class T, bool kTokenTensors, bool kProxy = false, bool kFromLengths = false>
 __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
     forward_kernel_ws(const __grid_constant__ AttentionParams a, const int* __restrict__ overflow,
                       const __grid_constant__ LaunchDescriptors desc) {
@@ -121,7 +124,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
   // kernels that read token tensors nor in the proxy kernels. No route preparation ran, so nothing
   // can overflow and the flag is not read (a dependent load less before the first tile), and
   // nothing is waited for: the first tile's routes go to the loader before its Q is loaded.
-  constexpr bool kFromLengths = !kTokenTensors && !kProxy;
+  static_assert(!kFromLengths || (!kTokenTensors && !kProxy), "routes from the lengths: positional mask, exact routes");
   const bool from_lengths = kFromLengths && a.routes_from_lengths;
   const bool may_overflow = !from_lengths;
   const bool q_before_routes = T::kDecode && a.row_order == nullptr && may_overflow;

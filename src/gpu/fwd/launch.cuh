@@ -2,6 +2,7 @@
 // memory, tensor maps), and the plan-time configuration (shared-memory limit, resident CTA pairs).
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdlib>
 
@@ -73,12 +74,30 @@ int resident_decode_clusters(int device, int splits) {
   config.attrs = &cluster;
   config.numAttrs = 1;
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, forward_kernel_ws<T, false>, &config) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&clusters, forward_kernel_ws<T, false, false, true>, &config) != cudaSuccess) {
     cudaGetLastError();  // not sticky: merge through the workspace
     clusters = 0;
   }
   known[device][splits].store(clusters + 1, std::memory_order_relaxed);
   return clusters;
+}
+
+// The instances of a (traits, proxy policy) family: token tensors (document ids, kv_valid bits) or
+// not; routes made from the lengths (the decode kernel's non-token instance; a prefill instance of
+// its own, launched when AttentionParams::routes_from_lengths). Null: no such instance.
+template <class T>
+using ForwardKernel = decltype(&forward_kernel_ws<T, false>);
+template <class T, bool kProxy>
+std::array<ForwardKernel<T>, 3> kernels_of() {
+  if constexpr (T::kDecode) return {forward_kernel_ws<T, true>, forward_kernel_ws<T, false, false, true>, nullptr};
+  else if constexpr (kProxy) return {forward_kernel_ws<T, true, true>, forward_kernel_ws<T, false, true>, nullptr};
+  else return {forward_kernel_ws<T, true>, forward_kernel_ws<T, false>, forward_kernel_ws<T, false, false, true>};
+}
+template <class T, bool kProxy>
+ForwardKernel<T> kernel_for(const AttentionParams& a) {
+  const std::array<ForwardKernel<T>, 3> k = kernels_of<T, kProxy>();
+  if (a.route.doc_q || a.route.kv_valid) return k[0];
+  return a.routes_from_lengths && k[2] ? k[2] : k[1];
 }
 
 // a == nullptr: only raises the kernel's shared-memory limit and, for a pair kernel, queries how
@@ -94,22 +113,22 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess || (sms = multiprocessors(device)) == 0) return cudaGetLastError();
   if (!a) {
-    for (auto kernel : {forward_kernel_ws<T, false, kProxy>, forward_kernel_ws<T, true, kProxy>}) {
+    for (auto kernel : kernels_of<T, kProxy>()) {
+      if (!kernel) continue;
       const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
       if (e != cudaSuccess) return e;
     }
     if constexpr (T::kPairMulticast) (void)resident_pairs<T, kProxy>(device, sms);
     if constexpr (T::kDecode) {
-      for (auto kernel : {forward_kernel_ws<T, false>, forward_kernel_ws<T, true>}) {
-        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+      for (auto kernel : kernels_of<T, false>()) {
+        if (kernel && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
           cudaGetLastError();  // clusters of up to 8 only
       }
       for (int splits = 2; splits <= kMaxClusterSplits; ++splits) (void)resident_decode_clusters<T>(device, splits);
     }
     return cudaSuccess;
   }
-  auto kernel = a->route.doc_q || a->route.kv_valid ? forward_kernel_ws<T, true, kProxy>
-                                                    : forward_kernel_ws<T, false, kProxy>;
+  const auto kernel = kernel_for<T, kProxy>(*a);
   const int items = T::kDecode ? work_items(*a, decode.packed_heads, decode.kv_splits) : work_items(*a, T::kItemHeads);
   if (items == 0) return cudaSuccess;
   LaunchDescriptors desc{};
