@@ -474,4 +474,26 @@ inline float load_out(const Buffer* b, std::size_t i) {
   }
 }
 
+// Masks that leave each query row a prefix of its keys, so that with every block selected the
+// routes follow from the sequence lengths (route::routes_follow_lengths): none, causal in both
+// alignments, a right window with sinks, causal with sinks.
+struct PrefixMask {
+  int mask;  // CaseSpec mask: 0 none, 1 causal
+  bool top_left;
+  int window_right, sinks;  // set on a mask-free case: a right window and sinks, not causal
+};
+inline constexpr PrefixMask kPrefixMasks[] = {
+    {0, false, -1, 0}, {1, false, -1, 0}, {1, true, -1, 0}, {0, false, 37, 20}, {1, false, -1, 24}};
+
+// Sets the mask's alignment, right window and sinks on a case made with spec.mask = v.mask, and a
+// route capacity of one record per row (which route preparation would overflow); returns a label.
+inline std::string apply_prefix_mask(Case& c, const PrefixMask& v) {
+  c.problem.mask.alignment = v.top_left ? Alignment::top_left : Alignment::bottom_right;
+  c.problem.mask.window_right = v.window_right;
+  c.problem.mask.sink_tokens = v.sinks;
+  c.problem.max_routes_per_row = 1;
+  return " mask " + std::to_string(v.mask) + (v.top_left ? " top-left" : "") + " window_right " +
+         std::to_string(v.window_right) + " sinks " + std::to_string(v.sinks);
+}
+
 }  // namespace bsattn_gpu_test

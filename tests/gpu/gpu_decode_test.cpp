@@ -141,15 +141,9 @@ TEST(GpuDecode, EveryFormatGroupAndLayout) {
 // batched, varlen and paged, one query and several (a partly masked last tile).
 TEST(GpuDecode, StepWithRoutesFromLengths) {
   REQUIRE_SM90();
-  struct Variant {
-    int mask;  // CaseSpec mask: 0 none, 1 causal
-    bool top_left;
-    int window_right, sinks;  // set on a mask-free case: a right window and sinks, not causal
-  };
-  const Variant variants[] = {{0, false, -1, 0}, {1, false, -1, 0}, {1, true, -1, 0}, {0, false, 37, 20}, {1, false, -1, 24}};
   std::mt19937_64 rng(73);
   std::uint64_t seed = 7300;
-  for (const Variant& v : variants)
+  for (const PrefixMask& v : kPrefixMasks)
     for (int layout = 0; layout < 4; ++layout) {  // 0 one sequence (split), 1 batch 3, 2 varlen, 3 paged 16
       CaseSpec spec;
       spec.format = Format::all_blocks;
@@ -163,13 +157,7 @@ TEST(GpuDecode, StepWithRoutesFromLengths) {
       spec.seed = seed++;
       auto c = make_case(spec);
       if (layout == 3) page_kv(*c, 16, rng);
-      c->problem.mask.alignment = v.top_left ? Alignment::top_left : Alignment::bottom_right;
-      c->problem.mask.window_right = v.window_right;
-      c->problem.mask.sink_tokens = v.sinks;
-      c->problem.max_routes_per_row = 1;
-      SCOPED_TRACE(c->name + " layout " + std::to_string(layout) + " mask " + std::to_string(v.mask) +
-                   (v.top_left ? " top-left" : "") + " window_right " + std::to_string(v.window_right) + " sinks " +
-                   std::to_string(v.sinks));
+      SCOPED_TRACE(c->name + " layout " + std::to_string(layout) + apply_prefix_mask(*c, v));
       c->poison_outputs();
       run_gpu(*c);
       c->problem.max_routes_per_row = 0;  // the CPU engine prepares routes

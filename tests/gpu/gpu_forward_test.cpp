@@ -259,16 +259,10 @@ TEST(GpuForward, GraphReplayWithChangedMetadata) {
 // engine's result. Batched, varlen and paged K/V; 128- and 64-row tiles, 128- and 64-wide K/V.
 TEST(GpuForward, PrefillWithRoutesFromLengths) {
   REQUIRE_SM90();
-  struct Variant {
-    int mask;  // CaseSpec mask: 0 none, 1 causal
-    bool top_left;
-    int window_right, sinks;  // set on a mask-free case: a right window and sinks, not causal
-  };
-  const Variant variants[] = {{0, false, -1, 0}, {1, false, -1, 0}, {1, true, -1, 0}, {0, false, 37, 20}, {1, false, -1, 24}};
   const int blocks[][2] = {{128, 128}, {64, 64}, {128, 64}};
   std::mt19937_64 rng(91);
   std::uint64_t seed = 9100;
-  for (const Variant& v : variants)
+  for (const PrefixMask& v : kPrefixMasks)
     for (int layout = 0; layout < 3; ++layout)  // 0 batched, 1 varlen, 2 paged pages of 16
       for (const auto& bl : blocks) {
         CaseSpec spec;
@@ -280,13 +274,7 @@ TEST(GpuForward, PrefillWithRoutesFromLengths) {
         spec.seed = seed++;
         auto c = make_case(spec);
         if (layout == 2) page_kv(*c, 16, rng);
-        c->problem.mask.alignment = v.top_left ? Alignment::top_left : Alignment::bottom_right;
-        c->problem.mask.window_right = v.window_right;
-        c->problem.mask.sink_tokens = v.sinks;
-        c->problem.max_routes_per_row = 1;
-        SCOPED_TRACE(c->name + " layout " + std::to_string(layout) + " mask " + std::to_string(v.mask) +
-                     (v.top_left ? " top-left" : "") + " window_right " + std::to_string(v.window_right) +
-                     " sinks " + std::to_string(v.sinks));
+        SCOPED_TRACE(c->name + " layout " + std::to_string(layout) + apply_prefix_mask(*c, v));
         c->poison_outputs();
         {
           Plan plan(c->problem);
