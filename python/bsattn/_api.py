@@ -398,8 +398,8 @@ def build_summaries(k, v, block_kv, *, cu_seqlens_k=None, seqused_k=None, block_
     ``[B, ceil(max_seqlen_k / block_kv), Hkv, D]`` in K's dtype. Returns `Summaries`.
 
     CUDA tensors are summarised by a GPU kernel on ``stream`` (default: the current stream of
-    K's framework). ``validate=True`` reads the metadata values on the host first (a device
-    sync, as in `attention`); ``validate=False`` only enqueues the kernel (graph-capturable)."""
+    K's framework). ``validate=True`` reads the length metadata on the host first (a device
+    sync); ``validate=False`` only enqueues the kernel (graph-capturable)."""
     problem, inputs = _kv_problem(k, block_kv, cu_seqlens_k, seqused_k, block_table, seq_lens_kv, max_seqlen_k)
     problem["validate"] = bool(validate)
     inputs.update(k=_tensors.export(k), v=_tensors.export(v))
