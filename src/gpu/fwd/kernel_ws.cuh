@@ -6,11 +6,11 @@
 // on mbarriers, K one route ahead of V; the pipeline runs on from tile to tile). kWarpgroups
 // consumer warpgroups (64 query rows each; with GQA packing the same rows of one query head
 // each) run S = Q K^T and O += P V with wgmma.
-// Registers move to the consumers (setmaxnreg). Consumers never wait for each other inside a
-// tile: each waits on the stage barriers and releases the stages it read, so the two warpgroups
-// drift apart and their softmax phases interleave with the other's GEMMs. Within a consumer,
-// S(i+1) is issued before PV(i); ptxas places the softmax of route i+1 after the wait for PV(i)
-// (pinning it before the wait measured slower), so the overlap is between the two warpgroups.
+// Registers move to the consumers (setmaxnreg). Two consumer warpgroups take turns issuing their
+// GEMM pair (ping-pong, two named barriers), so that one's softmax runs under the other's GEMMs;
+// each waits on the stage barriers and releases the stages it read. Within a consumer, S(i+1) is
+// issued before PV(i); ptxas places the softmax of route i+1 after the wait for PV(i) (pinning it
+// before the wait measured slower), so the overlap is between the two warpgroups.
 // The epilogue goes through shared memory (the last route's K/V stages) while the loader already
 // streams the next tile and the next Q has landed.
 #pragma once
@@ -29,9 +29,11 @@
 #include "gpu/fwd/timeline.cuh"
 #include "gpu/fwd/traits.cuh"
 
-// Ping-pong scheduling of two consumer warpgroups (compile-time; measured slower, so off).
+// Ping-pong scheduling of two consumer warpgroups (compile-time; 0 lets them drift, for
+// measurement: ping-pong measured 0.5-1.4 % faster on 128 x 128 tiles and 4 % on 128 x 64 ones,
+// bench/RESULTS.md 2026-12-03 06:25).
 #ifndef BSATTN_FWD_PINGPONG
-#define BSATTN_FWD_PINGPONG 0
+#define BSATTN_FWD_PINGPONG 1
 #endif
 
 namespace bsattn::gpu::fwd {
