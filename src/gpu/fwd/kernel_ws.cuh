@@ -9,8 +9,8 @@
 // Registers move to the consumers (setmaxnreg). Two consumer warpgroups take turns issuing their
 // GEMM pair (ping-pong, two named barriers), so that one's softmax runs under the other's GEMMs;
 // each waits on the stage barriers and releases the stages it read. Within a consumer, S(i+1) is
-// issued before PV(i); ptxas places the softmax of route i+1 after the wait for PV(i) (pinning it
-// before the wait measured slower), so the overlap is between the two warpgroups.
+// issued before PV(i), and with two warpgroups the softmax of route i+1 is pinned ahead of the
+// wait for PV(i), so it runs under both that GEMM and the other warpgroup's.
 // The epilogue goes through shared memory (the last route's K/V stages) while the loader already
 // streams the next tile and the next Q has landed.
 #pragma once
@@ -55,6 +55,7 @@ struct WsConfig {
     Tile tile[2];  // work tiles handed from the tile warp to the loader and consumers (slot t % 2: tile t)
     SplitMerge split_merge;  // decode split-KV: the tile's merge job (merge_splits)
     float split_lse[T::kDecode ? 64 : 1];  // decode split-KV in a cluster: the tile rows' LSE (merge_cluster_splits)
+    float softmax_pin;  // written, never read: keeps the softmax ahead of the PV wait (steady_step)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
   static_assert(T::kCtasPerSm == 1 || 2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs' shared memory per SM");
@@ -271,9 +272,18 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
     CUTE_UNROLL
     for (int e = 0; e < size(tOrP); ++e) tOrP(e) = static_cast<Element>(s_as_a(e));
   };
+  // Rows written by cp.async (the fallback loader, or a paged cache's sequence-end box) are
+  // generic-proxy writes: the proxy fence orders them before the wgmma reads. Bulk tensor copies
+  // land in the async proxy already, and the fence (a CTA-wide MEMBAR) would also wait for the
+  // next route record's global load issued just before: none on the TMA path.
+  const bool generic_stage_writes = !tma || p.paged;
   auto wait_full = [&](std::uint64_t* full, int j) {
     Barrier::wait(&full[j % kStages], (j / kStages) & 1);
-    cutlass::arch::fence_view_async_shared();
+    if (generic_stage_writes) cutlass::arch::fence_view_async_shared();
+  };
+  auto wait_q = [&](int t) {
+    Barrier::wait(&bars.full_q[wg], t & 1);
+    if (!tma) cutlass::arch::fence_view_async_shared();  // the Q rows (cp.async) before wgmma reads them
   };
   auto release = [&](std::uint64_t* empty, int j) {
     if (warp_leader) {
@@ -300,8 +310,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
     const Tile& tile = *next;
     const int tile_item = tile.item;  // for the timeline only
     if (marker) timeline_tile(desc.timeline, t, false);
-    Barrier::wait(&bars.full_q[wg], t & 1);
-    cutlass::arch::fence_view_async_shared();  // the Q rows (cp.async) before wgmma reads them
+    wait_q(t);
     if (marker && t == 0) timeline_mark(desc.timeline, kConsumerHasQ);
     const int count = tile.count, base = tile.first;  // pipeline position of the first route
     if (count > 0 && !s_issued) {
@@ -319,6 +328,10 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
     Tensor c_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
     Tensor co_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
     const route::SeqInfo& si = tile.si;
+    // Read by every step: held in registers (the slot's fields are reloaded after each barrier
+    // wait, whose asm clobbers memory).
+    const route::Route* const routes = tile.routes;
+    const int seqlen_kv = si.seqlen_kv;
     const int tile_row0 = warpgroup_row0<T>(wg);
     const int head = warpgroup_head<T>(tile, wg, pair_rank);
     const int q_begin = tile.q0 + tile_row0;
@@ -333,7 +346,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
     auto exact_softmax = [&](const route::Route rt, int step, float (&rescale)[kRows]) {
       RouteMask m;
       m.k0 = rt.index * p.tile_n;
-      m.n_valid = min(p.tile_n, si.seqlen_kv - m.k0);
+      m.n_valid = min(p.tile_n, seqlen_kv - m.k0);
       m.rows = rt.rows;
       m.masked = rt.masked;
       if (rt.masked != 0 || (rt.rows & present) != present || m.n_valid < kBlockN) {
@@ -345,7 +358,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
       }
       softmax.step(s_rc, rescale);
     };
-    const auto exact_record = [&](int step) { return route_at<kFromLengths>(a, tile, step); };
+    const auto exact_record = [&](int step) { return route_at<kFromLengths>(a, tile, routes, step); };
     // Proxy kernels: the proxy steps' softmax from their candidate records (proxy.cuh).
     int proxy_cursor = tile.exact;  // the first proxy record not in an earlier window
     auto proxy_step_softmax = [&](const ProxyRecords<kBlockN>& records, int step, float (&rescale)[kRows]) {
@@ -408,6 +421,15 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
         if (j + 1 < last) release(bars.empty_k, j + 1);
         else release_q();
         step_softmax(next_step, i + 1, rescale);
+        // Two consumer warpgroups: a shared store of the new row sums, which ptxas does not move
+        // past the wait, keeps the softmax ahead of it, under this warpgroup's own PV(i) (left to
+        // itself ptxas put the wait at the start of the row max). 1-2 % on 128 x 128 tiles
+        // (bench/RESULTS.md, 2026-12-03 07:05); one warpgroup has the other CTA's GEMMs instead.
+        if constexpr (T::kWarpgroups == 2) {
+          const unsigned pin = static_cast<unsigned>(__cvta_generic_to_shared(&sm.softmax_pin));
+          asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(pin), "f"(softmax.row_sum[0] + softmax.row_sum[kRows - 1])
+                       : "memory");
+        }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         warpgroup_fence_operand(tOrP);
@@ -436,8 +458,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
       s_issued = next && next->count > 0;
       int stage = last % kStages;
       if (s_issued) {
-        Barrier::wait(&bars.full_q[wg], (t + 1) & 1);
-        cutlass::arch::fence_view_async_shared();
+        wait_q(t + 1);
         wait_full(bars.full_k, next->first);
         stage = next->first % kStages;
       }

@@ -131,9 +131,24 @@ __device__ __forceinline__ int proxy_window_row(const Tile& t, int step) {
 // (the only one: route::routes_follow_lengths) cuts it for the unit's rows, as route preparation
 // classifies it. The rectangle is never empty: i < prefix_tiles.
 __device__ __forceinline__ int route_index(const Tile& t, int i) { return t.routes ? t.routes[i].index : t.route0 + i; }
+// One 8-byte global load of a record (through the slot's pointer the compiler saw a generic
+// address: a word load and two byte loads, each a generic LD).
+__device__ __forceinline__ route::Route load_route(const route::Route* r) {
+  const uint2 w = __ldcg(reinterpret_cast<const uint2*>(r));
+  route::Route out;
+  out.index = static_cast<std::int32_t>(w.x);
+  out.kind = static_cast<std::uint8_t>(w.y);
+  out.rows = static_cast<std::uint8_t>(w.y >> 8);
+  out.masked = static_cast<std::uint8_t>(w.y >> 16);
+  out.reserved = static_cast<std::uint8_t>(w.y >> 24);
+  return out;
+}
+// `routes`: the tile's `routes`, held by the caller in a register (the slot's copy is reloaded
+// after every barrier wait).
 template <bool kFromLengths>
-__device__ __forceinline__ route::Route route_at(const AttentionParams& a, const Tile& t, int i) {
-  if (!kFromLengths || t.routes) return t.routes[i];
+__device__ __forceinline__ route::Route route_at(const AttentionParams& a, const Tile& t, const route::Route* routes,
+                                                 int i) {
+  if (!kFromLengths || routes) return load_route(routes + i);
   const route::RouteParams& p = a.route;
   route::Route r;
   r.index = t.route0 + i;
