@@ -28,7 +28,9 @@ __device__ __forceinline__ void load_strided_rows(Tile tile, const typename T::E
   static_assert(T::kProducerThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole rows per pass");
   const int d = (tid % kChunks) * 8, r_first = tid / kChunks;
   const typename T::Element* src = first + r_first * token_stride + d;
-  CUTE_UNROLL
+  // Unrolled by 4, not fully: the 40-register producer spilled the fully unrolled K/V load (16
+  // passes per tensor at D 128).
+#pragma unroll 4
   for (int r0 = 0; r0 < kRows; r0 += kRowsPerPass) {
     const bool in = r0 + r_first < valid;
     cp_async_16(&tile(r0 + r_first, d), in ? src : first, in);

@@ -55,7 +55,7 @@ struct WsConfig {
     Tile tile[2];  // work tiles handed from the tile warp to the loader and consumers (slot t % 2: tile t)
     SplitMerge split_merge;  // decode split-KV: the tile's merge job (merge_splits)
     float split_lse[T::kDecode ? 64 : 1];  // decode split-KV in a cluster: the tile rows' LSE (merge_cluster_splits)
-    float softmax_pin;  // written, never read: keeps the softmax ahead of the PV wait (steady_step)
+    float softmax_pin[kConsumerWarps];  // written, never read: keeps the softmax ahead of the PV wait (steady_step)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
   static_assert(T::kCtasPerSm == 1 || 2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs' shared memory per SM");
@@ -425,10 +425,14 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
         // past the wait, keeps the softmax ahead of it, under this warpgroup's own PV(i) (left to
         // itself ptxas put the wait at the start of the row max). 1-2 % on 128 x 128 tiles
         // (bench/RESULTS.md, 2026-12-03 07:05); one warpgroup has the other CTA's GEMMs instead.
+        // A word per warp, stored by its lane 0 (predicated, in the same instruction stream), so
+        // that no two threads write one word.
         if constexpr (T::kWarpgroups == 2) {
-          const unsigned pin = static_cast<unsigned>(__cvta_generic_to_shared(&sm.softmax_pin));
-          asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(pin), "f"(softmax.row_sum[0] + softmax.row_sum[kRows - 1])
-                       : "memory");
+          const unsigned pin = static_cast<unsigned>(__cvta_generic_to_shared(&sm.softmax_pin[tid / 32 - 4]));
+          asm volatile(
+              "{\n .reg .pred p;\n setp.eq.u32 p, %2, 0;\n @p st.shared.f32 [%0], %1;\n}\n" ::"r"(pin),
+              "f"(softmax.row_sum[0] + softmax.row_sum[kRows - 1]), "r"(tid % 32)
+              : "memory");
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
