@@ -1,9 +1,9 @@
 // The persistent warp-specialised SM90 forward kernel. One CTA per multiprocessor walks work
-// tiles (route row, query head) longest row first. The producer warpgroup has two roles: the tile
-// warp decodes the next tile and loads its Q rows (cp.async, one buffer per consumer warpgroup,
-// refilled as soon as the warpgroup's last S GEMM of the current tile has read it), and the
-// loader streams the K and V tiles of the routes into shared memory (TMA or cp.async completing
-// on mbarriers, K one route ahead of V; the pipeline runs on from tile to tile). kWarpgroups
+// tiles (route row, query head) longest row first. The producer warpgroup has two roles
+// (producer_roles.cuh): the tile warp decodes the next tile and loads its Q rows (one buffer per
+// consumer warpgroup, refilled as soon as the warpgroup's last S GEMM of the current tile has read
+// it), and the loader streams the K and V tiles of the routes into shared memory (TMA or cp.async
+// completing on mbarriers, K one route ahead of V; the pipeline runs on from tile to tile). kWarpgroups
 // consumer warpgroups (64 query rows each; with GQA packing the same rows of one query head
 // each) run S = Q K^T and O += P V with wgmma.
 // Registers move to the consumers (setmaxnreg). Two consumer warpgroups take turns issuing their
@@ -23,6 +23,7 @@
 #include "gpu/fwd/epilogue.cuh"
 #include "gpu/fwd/mask.cuh"
 #include "gpu/fwd/producer.cuh"
+#include "gpu/fwd/producer_roles.cuh"
 #include "gpu/fwd/proxy.cuh"
 #include "gpu/fwd/scheduler.cuh"
 #include "gpu/fwd/softmax.cuh"
@@ -137,107 +138,28 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
   }
   if (tid == 0) timeline_mark(desc.timeline, kDependencyMet);
   const bool warp_leader = (tid % 32) == 0;
-  // Tile handoff: slot t % 2 holds this CTA's tile t. The tile warp (lane 0 claims and decodes)
-  // writes the slot and arrives on kTileFull + slot; the K/V loader and the consumers sync on it
-  // and read the slot in place while they work on the tile. The loader arrives on kTileEmpty +
-  // slot when it has issued the tile's loads, the consumers when they start tile t+1; the tile
-  // warp syncs on it before writing tile t+2 there. So tiles are decoded one ahead. Named
-  // barriers (not mbarriers): compute-sanitizer's racecheck sees the ordering.
-  // Named barrier ids: 0 __syncthreads; 1, 2 the consumer warpgroups; 3, 4 ping-pong.
-  constexpr int kTileFull = 5, kTileEmpty = 7, kEpilogueSync = 9;
-  const int handoff_threads = T::kThreads + 32 + (tma ? 32 : kLoaderThreads);
-  // Reader side of tile t: null when there is no more work (then nothing is released).
-  auto take_tile = [&](int t) -> const Tile* {
-    barrier_sync(kTileFull + (t & 1), handoff_threads);
-    const Tile* tile = &sm.tile[t & 1];
-    return tile->row < 0 ? nullptr : tile;
-  };
+  // Tile handoff (producer_roles.cuh): slot t % 2 holds this CTA's tile t, decoded one ahead by
+  // the tile warp. Named barrier 9: the consumers' epilogue.
+  constexpr int kEpilogueSync = 9;
+  const TileHandoff handoff{T::kThreads + 32 + (tma ? 32 : kLoaderThreads)};
 
   if (role == 0) {
     // ---------------------------------------------------------------- producer warpgroup
-    // Two independent roles with their own registers: the tile warp decodes the next tile and
-    // loads its Q as soon as the consumers' last S GEMM of the current tile freed the Q buffers;
-    // the loader (thread 0 with TMA, warps 0-2 with cp.async) streams the K/V tiles of the routes.
+    // Two roles with their own registers (producer_roles.cuh): the tile warp, and the K/V loader.
     cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
     const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
     if (warp == C::kTileWarp) {
-      const int lane = tid % 32;
-      // Tile t goes into slot t % 2. The loop walks the two slots in turn with the slot a
-      // compile-time constant, so no tile counter is held (the 40-register producer spilled
-      // one): the slots' `written` flags tell the first two tiles, and the previous tile's slot
-      // gives the next item and pipeline position. Returns false once it wrote the end of work.
-      // q_early: this tile's Q is loaded before the wait for route preparation (the first tile
-      // of a decode kernel with rows in index order), whatever its route count.
-      bool q_early = q_before_routes;
-      const auto hand_out = [&](auto slot_index) -> bool {
-        constexpr int s = decltype(slot_index)::value;
-        Tile& slot = sm.tile[s];
-        const Tile& prev = sm.tile[1 - s];
-        const int item_heads = T::kDecode ? desc.decode.packed_heads : T::kItemHeads;
-        const int splits = T::kDecode ? desc.decode.kv_splits : 1;
-        // Lane 0 alone reads the flag it writes below.
-        if (__shfl_sync(0xffffffffu, lane == 0 ? slot.written : 0, 0)) barrier_sync(kTileEmpty + s, handoff_threads);
-        if (lane == 0) {
-          const int items = work_items(a, item_heads, splits);
-          const int item = !prev.written ? first_item<kPair>() : next_item<kPair>(a, prev.item, items);
-          if (item < items) place_tile(a, item, item_heads, slot, splits);
-          else slot.row = -1;  // no more work
-        }
-        __syncwarp();
-        const bool has_tile = slot.row >= 0;
-        if (q_early) {
-          if (has_tile) load_q<T>(slot, s, tma, a, desc, st, bars, pair_rank, true);
-          if (lane == 0) timeline_mark(desc.timeline, kQIssued);
-          asm volatile("griddepcontrol.wait;\n" ::: "memory");
-          if (may_overflow && *overflow != 0) {  // the other threads have left; Q must land before this warp does
-            if (has_tile && tma && lane == 0) Barrier::wait(&bars.full_q[0], 0);
-            return false;
-          }
-        }
-        if (lane == 0) {
-          if (has_tile)
-            tile_routes(a, !prev.written ? 0 : prev.first + prev.count, slot, kProxy ? kBlockN : 0, splits,
-                        from_lengths);
-          slot.written = 1;
-          if (!prev.written) timeline_mark(desc.timeline, kTileDecoded);
-        }
-        __syncwarp();
-        barrier_arrive(kTileFull + s, handoff_threads);
-        if (!has_tile) return false;
-        if (!q_early) load_q<T>(slot, s, tma, a, desc, st, bars, pair_rank, slot.count > 0);
-        if (s == 0 && lane == 0 && !q_early && !prev.written) timeline_mark(desc.timeline, kQIssued);
-        q_early = false;
-        return true;
-      };
-      while (hand_out(Int<0>{}) && hand_out(Int<1>{})) {
-      }
-      cp_async_wait<0>();
+      run_tile_warp<T, kProxy>(handoff, sm.tile, a, desc, st, bars, overflow, tma, q_before_routes, may_overflow, from_lengths,
+                               pair_rank, tid % 32);
       leave();
       return;
     }
-    // The loader. With TMA one thread issues the bulk tensor copies (a paged cache: one warp, a
-    // box per lane); the others exit rather than wait in leave() (a live lane that skips the
-    // tile-handoff bar.arrive would stall it). A proxy kernel's windows follow a tile's exact
-    // routes from the same threads.
+    // With TMA one thread issues the bulk tensor copies (a paged cache: one warp, a box per lane);
+    // the others exit rather than wait in leave() (a live lane that skips the tile-handoff
+    // bar.arrive would stall it).
     const int issuers = !tma ? kLoaderThreads : a.route.paged ? 32 : 1;
     if (tid >= issuers) return;
-    bool first_tile = true;  // for the timeline marks only
-    const auto stream = [&](auto slot_index) -> bool {
-      constexpr int s = decltype(slot_index)::value;
-      barrier_sync(kTileFull + s, handoff_threads);
-      const Tile& slot = sm.tile[s];
-      if (slot.row < 0) return false;
-      if (tid == 0 && first_tile) timeline_mark(desc.timeline, kLoaderHasTile);
-      load_tile_routes<T, kProxy>(slot, tma, a, desc, st, bars, tid);
-      if constexpr (kProxy) load_proxy_windows<T>(slot, tma, a, desc, st, bars, tid);
-      if (tid == 0 && first_tile) timeline_mark(desc.timeline, kLoaderIssued);
-      first_tile = false;
-      barrier_arrive(kTileEmpty + s, handoff_threads);
-      return true;
-    };
-    while (stream(Int<0>{}) && stream(Int<1>{})) {
-    }
-    if (!tma) cp_async_wait<0>();
+    run_loader<T, kProxy>(handoff, sm.tile, a, desc, st, bars, tma, tid);
     leave();
     return;
   }
@@ -303,7 +225,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
   // last S GEMM of tile t freed the buffer). The waits are the same on every path (a branch
   // between wait_group<1> and <0> made ptxas serialise every wgmma: C7514).
   bool s_issued = false;  // S(first route) of `next` is in flight
-  const Tile* next = take_tile(0);
+  const Tile* next = handoff.take(sm.tile, 0);
   const bool marker = tid == 128;  // timeline marks: consumer warpgroup 0's first thread
   if (marker) timeline_mark(desc.timeline, kConsumerHasTile);
   for (int t = 0; next; ++t) {
@@ -370,7 +292,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
     // The last route's K and V stages stay held through the epilogue, which stages O in them.
     const int last = base + count - 1;
     // What the epilogue needs of the slot, read before the next tile is taken: racecheck did not
-    // follow the slot's release (kTileEmpty) for reads between taking the next tile and it.
+    // follow the slot's release (TileHandoff::release) for reads between taking the next tile and it.
     route::SeqInfo out_si;
     int out_b = 0, out_unit = 0;
     OutputShift shift;  // a decode split writes its partial result
@@ -382,7 +304,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
         shift.lse = tile.split * desc.decode.lse_split_step;
         out_unit = tile.item / desc.decode.kv_splits;
       }
-      return take_tile(t + 1);
+      return handoff.take(sm.tile, t + 1);
     };
     if (count > 0) {
       if (count > 1) release(bars.empty_k, base);
@@ -513,7 +435,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
     } else {
       release_q();
     }
-    barrier_arrive(kTileEmpty + (t & 1), handoff_threads);  // done with the slot
+    handoff.release(t);  // done with the slot
     if (marker) timeline_tile(desc.timeline, t, true, tile_item, count);
   }
   warpgroup_wait<0>();  // a discarded S GEMM after the last tile
