@@ -149,8 +149,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
     cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
     const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
     if (warp == C::kTileWarp) {
-      run_tile_warp<T, kProxy>(handoff, sm.tile, a, desc, st, bars, overflow, tma, q_before_routes, may_overflow, from_lengths,
-                               pair_rank, tid % 32);
+      run_tile_warp<T, kProxy>(handoff, sm.tile, a, desc, st, bars, overflow, tma, q_before_routes, may_overflow,
+                               from_lengths, pair_rank, tid % 32);
       leave();
       return;
     }

@@ -57,7 +57,8 @@ __device__ __forceinline__ void run_tile_warp(const TileHandoff& handoff, Tile (
     const int item_heads = T::kDecode ? desc.decode.packed_heads : T::kItemHeads;
     const int splits = T::kDecode ? desc.decode.kv_splits : 1;
     // Lane 0 alone reads the flag it writes below.
-    if (__shfl_sync(0xffffffffu, lane == 0 ? slot.written : 0, 0)) barrier_sync(TileHandoff::kEmpty + s, handoff.threads);
+    if (__shfl_sync(0xffffffffu, lane == 0 ? slot.written : 0, 0))
+      barrier_sync(TileHandoff::kEmpty + s, handoff.threads);
     if (lane == 0) {
       const int items = work_items(a, item_heads, splits);
       const int item = !prev.written ? first_item<kPair>() : next_item<kPair>(a, prev.item, items);
