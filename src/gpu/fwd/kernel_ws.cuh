@@ -350,7 +350,8 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
         // A word per warp, stored by its lane 0 (predicated, in the same instruction stream), so
         // that no two threads write one word.
         if constexpr (T::kWarpgroups == 2) {
-          const unsigned pin = static_cast<unsigned>(__cvta_generic_to_shared(&sm.softmax_pin[tid / 32 - 4]));
+          const int warp = tid / 32 - C::kProducerThreads / 32;  // consumer warp
+          const unsigned pin = static_cast<unsigned>(__cvta_generic_to_shared(&sm.softmax_pin[warp]));
           asm volatile(
               "{\n .reg .pred p;\n setp.eq.u32 p, %2, 0;\n @p st.shared.f32 [%0], %1;\n}\n" ::"r"(pin),
               "f"(softmax.row_sum[0] + softmax.row_sum[kRows - 1]), "r"(tid % 32)
