@@ -21,9 +21,11 @@ buffer = torch.zeros(2 * MAX_CTAS * SLOTS * 2 + MAX_CTAS * TILES * 3, dtype=torc
 os.environ["BSATTN_GPU_TIMELINE_BUFFER"] = str(buffer.data_ptr())  # read at the first launch
 LIB = benchlib.load(sys.argv[1], need=("bsattn_bench_plan", "bsattn_bench_run"))
 HQ, HKV, D, BLOCK = 32, 8, 128, 128
-# name: (batch, seqlen, causal, density per query head or None)
-SHAPES = {"causal": (1, 32768, True, None), "rand0.1": (1, 32768, False, 0.1), "rand0.5": (1, 32768, False, 0.5),
-          "causal8k": (4, 8192, True, None)}
+# name: (batch, seqlen, causal, density per query head or None, window_left or -1). "window" and
+# "rand0.13" have the same routes per tile (33 against about 33), masked (two per tile) or not.
+SHAPES = {"causal": (1, 32768, True, None, -1), "rand0.1": (1, 32768, False, 0.1, -1),
+          "rand0.5": (1, 32768, False, 0.5, -1), "causal8k": (4, 8192, True, None, -1),
+          "window": (1, 32768, True, None, 4095), "rand0.13": (1, 32768, False, 0.13, -1)}
 
 
 def lists(batch, seqlen, density, gen):
@@ -35,7 +37,7 @@ def lists(batch, seqlen, density, gen):
 
 
 for name in sys.argv[2:] or SHAPES:
-    batch, seqlen, causal, density = SHAPES[name]
+    batch, seqlen, causal, density, window_left = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(batch, seqlen, HQ, D, dtype=torch.bfloat16, device="cuda", generator=gen)
     k = torch.randn(batch, seqlen, HKV, D, dtype=torch.bfloat16, device="cuda", generator=gen)
@@ -43,7 +45,7 @@ for name in sys.argv[2:] or SHAPES:
     out = torch.empty_like(q)
     cnt, idx = lists(batch, seqlen, density, gen) if density else (None, None)
     plan = benchlib.Plan(LIB, LIB.bsattn_bench_plan(batch, seqlen, HQ, HKV, D, 0, BLOCK, BLOCK, 1 if density else 0,
-                                                    HQ if density else 1, int(causal), -1))
+                                                    HQ if density else 1, int(causal), window_left))
     s = benchlib.stream()
     args = [benchlib.ptr(t) for t in (q, k, v, out, None, cnt, idx)]
     for _ in range(3):
@@ -60,11 +62,13 @@ for name in sys.argv[2:] or SHAPES:
     ends = sorted((row[-1][1] - start) / 1e3 for row in ctas)
     gaps = [(b[0] - a[1]) / 1e3 for row in ctas for a, b in zip(row, row[1:])]
     per_route = {}
+    fit = []  # (routes, tile us): tile time = c + r x routes by least squares
     for row in ctas:
         for t in row:
             count = t[2] >> 32
             if count:
                 per_route.setdefault(min(count // 8 * 8, 64), []).append((t[1] - t[0]) / 1e3 / count)
+                fit.append((count, (t[1] - t[0]) / 1e3))
     print(f"{name}: {len(ctas)} CTAs, {sum(len(r) for r in ctas)} tiles recorded (first {TILES} per CTA); "
           f"CTA ends median {statistics.median(ends):.1f} us, last {ends[-1]:.1f} us (tail "
           f"{ends[-1] - statistics.median(ends):.1f}); gaps between tiles median "
@@ -72,4 +76,9 @@ for name in sys.argv[2:] or SHAPES:
     for bucket in sorted(per_route):
         vals = per_route[bucket]
         print(f"  tiles of {bucket}-{bucket + 7} routes: {len(vals)}, {statistics.median(vals):.3f} us per route")
+    if len({n for n, _ in fit}) > 1:
+        slope, intercept = statistics.linear_regression([n for n, _ in fit], [us for _, us in fit])
+        print(f"  tile time = {intercept:.2f} us + {slope:.3f} us x routes (least squares over {len(fit)} tiles)")
+    else:
+        print(f"  every tile has {fit[0][0]} routes: {statistics.median(us for _, us in fit):.2f} us per tile (median)")
     sys.stdout.flush()

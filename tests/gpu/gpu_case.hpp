@@ -258,6 +258,7 @@ inline std::unique_ptr<Case> make_case(const CaseSpec& spec) {
     p.mask.window_left = uni(10, 100);
     p.mask.window_right = uni(0, 50);
     p.mask.sink_tokens = uni(0, 40);
+    p.mask.causal = chance(0.5);  // the sinks' interval under the causal limit (fwd/mask.cuh)
   }
   if (mask == 4) p.mask.document_ids = true;
   if (mask == 5) p.mask.kv_valid_bits = true;

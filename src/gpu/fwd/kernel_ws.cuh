@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
         m.q_begin = q_begin;
         m.tile_row0 = tile_row0;
         m.unit_m = p.unit_m;
-        m.template apply<kTokenTensors>(s_rc, c_rc, a, si, tile.b);
+        m.template apply<kTokenTensors, true>(s_rc, c_rc, a, si, tile.b);
       }
       softmax.step(s_rc, rescale);
     };

@@ -38,11 +38,13 @@ struct RouteMask {
   // route::token_visible; without them the positional path below runs. A kernel policy, not a
   // run-time branch: compiled into one kernel, the per-element tensor path raised the register
   // pressure of the whole main loop (spills everywhere, 15 KB in the 64-wide kernels).
-  template <bool kTokenTensors, class TS, class TC>
+  // kPairColumns: the view's column j lies at c(i, 0) + 8 (j / 2) + j % 2, as the columns of a
+  // wgmma accumulator do (the forward's S tile); the positional path then masks a row by bits.
+  template <bool kTokenTensors, bool kPairColumns = false, class TS, class TC>
   __device__ __forceinline__ void apply(TS& s, const TC& c, const AttentionParams& a, const route::SeqInfo& si,
                                         int b) const {
     if constexpr (!kTokenTensors) {
-      apply_positional(s, c, a.route, si);
+      apply_positional<kPairColumns>(s, c, a.route, si);
     } else {
       CUTE_UNROLL
       for (int i = 0; i < size<0>(s); ++i) {
@@ -58,35 +60,56 @@ struct RouteMask {
     }
   }
 
-  // Causal, window and sinks only (no per-token tensors): the visible KV range of a row follows
-  // from its diagonal, so each element costs a few integer compares. Same predicate as
-  // route::token_visible: (kv <= diag if causal) && (diag - wl <= kv <= diag + wr || kv < sinks).
-  template <class TS, class TC>
+  // Causal, window and sinks only (no per-token tensors): the visible KV columns of a row (relative
+  // to k0) follow from its diagonal as two intervals, [lo, hi] (the causal limit, the window and
+  // the tile's valid columns) and [0, sink_hi] (the sinks, under the same causal and valid limits).
+  // Same predicate as route::token_visible: (kv <= diag if causal) && (diag - wl <= kv <= diag + wr
+  // || kv < sinks).
+  template <bool kPairColumns, class TS, class TC>
   __device__ __forceinline__ void apply_positional(TS& s, const TC& c, const route::RouteParams& p,
                                                    const route::SeqInfo& si) const {
-    constexpr int kBig = 0x3fffffff;
+    constexpr int kCols = decltype(size<1>(s))::value;
     CUTE_UNROLL
     for (int i = 0; i < size<0>(s); ++i) {
       const auto [q, takes, partial] = row(get<0>(c(i, 0)), si);
-      // Column bounds relative to k0: visible iff col < n_valid and
-      // (col <= causal_hi) and ((lo <= col <= win_hi) or col < sink).
       const int diag = q + si.diag_offset - k0;
-      int causal_hi = kBig, lo = -kBig, win_hi = kBig, sink = -kBig;
+      int limit = takes ? n_valid - 1 : -1, lo = 0, hi = limit, sink_hi = -1;
       if (partial) {
-        if (p.causal) causal_hi = diag;
-        if (p.window_left >= 0) lo = diag - p.window_left;
-        if (p.window_right >= 0) win_hi = diag + p.window_right;
-        sink = p.sink_tokens - k0;
+        if (p.causal) limit = min(limit, diag);
+        // Written so that no sum overflows for windows up to INT_MAX.
+        hi = p.window_right >= 0 && p.window_right < limit - diag ? diag + p.window_right : limit;
+        if (p.window_left >= 0 && diag > p.window_left) lo = diag - p.window_left;
+        sink_hi = min(limit, p.sink_tokens - k0 - 1);
       }
-      const int limit = takes ? min(n_valid - 1, causal_hi) : -1;
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) {
-        const int col = get<1>(c(i, j));
-        const bool visible = col <= limit && ((col >= lo && col <= win_hi) || col < sink);
-        if (!visible) s(i, j) = -INFINITY;
+      if constexpr (kPairColumns) {
+        // A thread's columns in a row, base + {0, 1, 8, 9, 16, 17, ...}, are counted left of a
+        // bound, so that each interval becomes a run of element bits: a few integer operations
+        // per row, then one bit test per element (R2P and a select) instead of four compares.
+        const int base = get<1>(c(i, 0));
+        const auto elements_before = [&](int col) {
+          const int d = min(max(col - base, 0), 4 * kCols);
+          return 2 * (d >> 3) + min(d & 7, 2);
+        };
+        const int from = elements_before(lo), to = elements_before(hi + 1), sink_to = elements_before(sink_hi + 1);
+        CUTE_UNROLL
+        for (int w = 0; w < (kCols + 31) / 32; ++w) {
+          const unsigned keep = (low_bits(to - 32 * w) & ~low_bits(from - 32 * w)) | low_bits(sink_to - 32 * w);
+          CUTE_UNROLL
+          for (int j = 32 * w; j < min(kCols, 32 * w + 32); ++j)
+            if (!(keep & (1u << (j - 32 * w)))) s(i, j) = -INFINITY;
+        }
+      } else {
+        CUTE_UNROLL
+        for (int j = 0; j < kCols; ++j) {
+          const int col = get<1>(c(i, j));
+          if (!((col >= lo && col <= hi) || col <= sink_hi)) s(i, j) = -INFINITY;
+        }
       }
     }
   }
+
+  // The n lowest bits set (n <= 0: none, n >= 32: all).
+  __device__ __forceinline__ static unsigned low_bits(int n) { return __funnelshift_lc(~0u, 0u, max(n, 0)); }
 };
 
 }  // namespace bsattn::gpu::fwd
