@@ -602,7 +602,8 @@ int bsattn_bench_prepare_time(void* handle, void* q, void* k, void* v, void* out
     for (int i = 0; i < iters; ++i) prepare();
     cuda_ok(cudaEventRecord(r.events[1], s), "cudaEventRecord");
     for (int i = 0; i < iters; ++i)
-      cuda_ok(bsattn::gpu::order_rows_longest_first(counts, static_cast<int>(rows), order, s), "order_rows");
+      cuda_ok(bsattn::gpu::order_rows(counts, static_cast<int>(rows), bsattn::gpu::row_order_groups(a.route), order, s),
+              "order_rows");
     cuda_ok(cudaEventRecord(r.events[2], s), "cudaEventRecord");
     cuda_ok(cudaEventSynchronize(r.events[2]), "cudaEventSynchronize");
     float t_prepare = 0.0f, t_order = 0.0f;

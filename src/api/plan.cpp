@@ -437,9 +437,9 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   DeviceWorkspace& ws = *device;
   route::RouteParams& p = a.route;
   if (problem.validate) check_values_on_device(p, inputs, stream);
-  // Longest rows first only matters when work items queue for multiprocessors; with fewer (a
-  // decode step: a few rows, split over the SMs) the rows run in index order and the sort's
-  // launch (a few us of a ~20 us step) is saved.
+  // The work order (grouped by K/V, longest rows first) only matters when work items queue for
+  // multiprocessors; with fewer (a decode step: a few rows, split over the SMs) the rows run in
+  // index order and the sort's launch (a few us of a ~20 us step) is saved.
   // (The decode kernel packs packed_heads query heads into an item: counting them one by one made a
   // B = 1 step with 8 KV heads x 16 splits look like 512 items and sort for 3 us.)
   const std::int64_t items_at_most = static_cast<std::int64_t>(a.route_rows) *
@@ -453,7 +453,7 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   a.routes_from_lengths = items_fit && route::routes_follow_lengths(p);
   prepare_gpu_routes(a, stream, !a.routes_from_lengths);
   if (!items_fit)
-    cuda_check(gpu::order_rows_longest_first(ws.counts, a.route_rows, ws.row_order, s), "order_rows_longest_first");
+    cuda_check(gpu::order_rows(ws.counts, a.route_rows, gpu::row_order_groups(p), ws.row_order, s), "order_rows");
   else
     a.row_order = nullptr;
   if (problem.validate) check_gpu(stream, &inputs);

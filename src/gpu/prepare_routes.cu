@@ -225,21 +225,35 @@ __global__ void derive_offsets_kernel(const route::RouteParams p, std::int32_t* 
   route::varlen_block_offsets(p, cu_m, cu_idx);
 }
 
-// Counting sort of the route rows by route count, longest first, in one block (a few microseconds
-// for thousands of rows). Counts at or above kBins share the top bin; the order inside a bin is
-// whatever the atomics give, which changes the schedule but never a result.
+// Counting sort of the route rows into the work order, in one block (a few microseconds for
+// thousands of rows): by row group (RowOrder: the rows whose tiles read one KV head's K/V), then by
+// route count, longest first. A group's tiles then run at the same time and find their K/V in L2
+// (the K/V of one KV head at S = 32768 is 17 MB; of eight, more than L2 holds), and each group
+// still ends with its shortest rows, so that the last group's fill the tail. Groups beyond
+// kOrderGroups share a bin range (consecutive groups together); counts are scaled to the bins
+// left per group. The order inside a bin is whatever the atomics give, which changes the schedule
+// but never a result.
 constexpr int kOrderThreads = 1024;
 constexpr int kOrderBins = 2 * kOrderThreads;
+constexpr int kOrderGroups = 16;
 
 __global__ void __launch_bounds__(kOrderThreads) order_rows_kernel(const std::int32_t* counts, int rows,
-                                                                   std::int32_t* order) {
+                                                                   RowOrder groups, std::int32_t* order) {
   using Scan = cub::BlockScan<int, kOrderThreads>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ int start[kOrderBins];  // histogram, then the first position of each bin
-  const auto bin = [](int count) { return kOrderBins - 1 - min(count, kOrderBins - 1); };  // longest first
+  const int group_count = (rows + groups.rows_per_group - 1) / groups.rows_per_group;
+  const int group_bins = min(group_count, kOrderGroups);
+  const int count_bins = kOrderBins / group_bins;
+  const auto bin = [&](int r) {
+    const int group = static_cast<int>(static_cast<long long>(r / groups.rows_per_group) * group_bins / group_count);
+    const int level = min(static_cast<int>(static_cast<long long>(counts[r]) * count_bins / (groups.max_count + 1)),
+                          count_bins - 1);
+    return group * count_bins + count_bins - 1 - level;  // longest first
+  };
   for (int i = threadIdx.x; i < kOrderBins; i += kOrderThreads) start[i] = 0;
   __syncthreads();
-  for (int r = threadIdx.x; r < rows; r += kOrderThreads) atomicAdd(&start[bin(counts[r])], 1);
+  for (int r = threadIdx.x; r < rows; r += kOrderThreads) atomicAdd(&start[bin(r)], 1);
   __syncthreads();
   int pair[2] = {start[2 * threadIdx.x], start[2 * threadIdx.x + 1]};
   Scan(scan).ExclusiveSum(pair, pair);
@@ -247,15 +261,25 @@ __global__ void __launch_bounds__(kOrderThreads) order_rows_kernel(const std::in
   start[2 * threadIdx.x] = pair[0];
   start[2 * threadIdx.x + 1] = pair[1];
   __syncthreads();
-  for (int r = threadIdx.x; r < rows; r += kOrderThreads) order[atomicAdd(&start[bin(counts[r])], 1)] = r;
+  for (int r = threadIdx.x; r < rows; r += kOrderThreads) order[atomicAdd(&start[bin(r)], 1)] = r;
 }
 
 }  // namespace
 
-cudaError_t order_rows_longest_first(const std::int32_t* counts, int rows, std::int32_t* order,
-                                     cudaStream_t stream) {
+RowOrder row_order_groups(const route::RouteParams& p) {
+  // Rows are (b, hs, q_tile), q_tile fastest: the rows of sparsity heads that share a KV head are
+  // consecutive (with fewer sparsity heads than KV heads, a row's items span several KV heads
+  // and a group is one (b, hs)).
+  RowOrder g;
+  g.rows_per_group = std::max(1, p.max_q_tiles) * std::max(1, p.sparsity_heads / std::max(1, p.heads_kv));
+  g.max_count = std::max(1, p.capacity);
+  return g;
+}
+
+cudaError_t order_rows(const std::int32_t* counts, int rows, RowOrder groups, std::int32_t* order,
+                       cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  BSATTN_LAUNCH(order_rows_kernel, 1, kOrderThreads, 0, stream, counts, rows, order);
+  BSATTN_LAUNCH(order_rows_kernel, 1, kOrderThreads, 0, stream, counts, rows, groups, order);
   return cudaGetLastError();
 }
 

@@ -26,10 +26,19 @@ constexpr int kValuesInvalidWord = 6;
 cudaError_t prepare_routes(const AttentionParams& params, route::Route* routes, std::int32_t* counts,
                            std::int32_t* overflow, cudaStream_t stream, std::int32_t* proxy_counts = nullptr);
 
-// Writes the route rows into `order` ([rows], device) by descending route count: the work order
-// of the persistent attention kernel.
-cudaError_t order_rows_longest_first(const std::int32_t* counts, int rows, std::int32_t* order,
-                                     cudaStream_t stream);
+// The work order of the persistent attention kernel: route rows grouped by the K/V they read
+// (`rows_per_group` consecutive rows: one (b, KV head), or one (b, sparsity head) where a
+// sparsity head spans several KV heads), longest first inside a group. `max_count`: the most
+// routes a row can have (the plan's capacity).
+struct RowOrder {
+  int rows_per_group = 1;
+  int max_count = 1;
+};
+RowOrder row_order_groups(const route::RouteParams& route);
+
+// Writes the route rows into `order` ([rows], device) in that order.
+cudaError_t order_rows(const std::int32_t* counts, int rows, RowOrder groups, std::int32_t* order,
+                       cudaStream_t stream);
 
 // Derives cu_total_m_blocks and cu_block_idx_offsets ([B+1] each, device) from the sequence
 // lengths in `route` (SPEC §3.2) without a host sync.

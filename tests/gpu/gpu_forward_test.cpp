@@ -195,6 +195,49 @@ TEST(GpuRoutes, DeviceMatchesHost) {
     }
 }
 
+// The work order: a permutation of the rows, grouped by KV group (rows_per_group consecutive rows;
+// more groups than the sort's bins share a range, in order), longest first inside a group up to
+// the count scaling (counts within max_count / bins of each other may swap).
+TEST(GpuRoutes, WorkOrderGroupsByKvThenLongestFirst) {
+  REQUIRE_SM90();
+  std::mt19937 rng(31);
+  const int shapes[][3] = {{4096, 1024, 40}, {8192, 256, 256}, {777, 37, 1000}, {50000, 100, 64}, {5, 5, 3}};
+  for (const auto& shape : shapes) {
+    const int rows = shape[0];
+    bsattn::gpu::RowOrder groups;
+    groups.rows_per_group = shape[1];
+    groups.max_count = shape[2];
+    SCOPED_TRACE("rows " + std::to_string(rows) + " per group " + std::to_string(shape[1]));
+    std::vector<std::int32_t> counts(rows), order(rows, -1);
+    for (auto& c : counts) c = std::uniform_int_distribution<int>(0, groups.max_count)(rng);
+    std::int32_t *d_counts = nullptr, *d_order = nullptr;
+    CUDA_OK(cudaMalloc(&d_counts, rows * sizeof(std::int32_t)));
+    CUDA_OK(cudaMalloc(&d_order, rows * sizeof(std::int32_t)));
+    CUDA_OK(cudaMemcpy(d_counts, counts.data(), rows * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(d_order, 0xff, rows * sizeof(std::int32_t)));
+    CUDA_OK(bsattn::gpu::order_rows(d_counts, rows, groups, d_order, nullptr));
+    CUDA_OK(cudaMemcpy(order.data(), d_order, rows * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaFree(d_counts));
+    CUDA_OK(cudaFree(d_order));
+    std::vector<int> seen(rows, 0);
+    for (int r : order) {
+      ASSERT_TRUE(r >= 0 && r < rows) << r;
+      ++seen[r];
+    }
+    for (int r = 0; r < rows; ++r) ASSERT_EQ(seen[r], 1) << "row " << r;
+    const int group_count = (rows + groups.rows_per_group - 1) / groups.rows_per_group;
+    const int bins = std::min(group_count, 16);  // kOrderGroups
+    const double tolerance = static_cast<double>(groups.max_count + 1) / (2048 / bins);  // one count bin
+    for (int i = 1; i < rows; ++i) {
+      const int a = order[i - 1], b = order[i];
+      const long long range_a = static_cast<long long>(a / groups.rows_per_group) * bins / group_count;
+      const long long range_b = static_cast<long long>(b / groups.rows_per_group) * bins / group_count;
+      ASSERT_LE(range_a, range_b) << "position " << i;
+      if (range_a == range_b) ASSERT_GE(counts[a] + tolerance, counts[b]) << "position " << i;
+    }
+  }
+}
+
 // run() captured in a CUDA graph, replayed after the metadata values changed in place, gives
 // the eager result for the new values.
 TEST(GpuForward, GraphReplayWithChangedMetadata) {

@@ -1,7 +1,8 @@
 // Work order of the persistent kernel. A work item is (route row, query head(s) of the row's
-// sparsity head: one, or two with GQA packing or a CTA pair); items are numbered longest row
-// first (row_order, sorted on the device by route count after route preparation) with the query
-// heads of one row adjacent, so that heads sharing K/V tiles run at the same time and meet in L2.
+// sparsity head: one, or two with GQA packing or a CTA pair); items are numbered in the rows' work
+// order (row_order, sorted on the device after route preparation: rows grouped by the KV head
+// whose K/V they read, longest first inside a group; prepare_routes.cu) with the query heads of one
+// row adjacent, so that heads sharing K/V tiles run at the same time and meet in L2.
 // A CTA starts with item blockIdx.x and then takes the next unclaimed item from a global counter:
 // long rows start first and short ones fill the tail, whatever the sparsity pattern. The two CTAs
 // of a pair must walk the same items, so clusters take a static share instead: the longest-first
