@@ -5,7 +5,7 @@ end of each CTA's first 64 tiles (with the tile's work item and route count). Th
 shape, the kernel's span, how the CTAs' busy spans end (median, last: the tail), the gaps between
 a CTA's tiles, and the time per route of short and long tiles. bf16, Hq 32 / Hkv 8, D 128.
 
-  python3 bench/gpu/forward_timeline.py build-tl/bench/gpu/libbsattn_bench.so [causal|rand0.1|...]
+  python3 bench/gpu/forward_timeline.py build-tl/bench/gpu/libbsattn_bench.so [causal|rand0.1|window|docs|...]
 """
 import os
 import statistics
@@ -25,7 +25,10 @@ HQ, HKV, D, BLOCK = 32, 8, 128, 128
 # "rand0.13" have the same routes per tile (33 against about 33), masked (two per tile) or not.
 SHAPES = {"causal": (1, 32768, True, None, -1), "rand0.1": (1, 32768, False, 0.1, -1),
           "rand0.5": (1, 32768, False, 0.5, -1), "causal8k": (4, 8192, True, None, -1),
-          "window": (1, 32768, True, None, 4095), "rand0.13": (1, 32768, False, 0.13, -1)}
+          "window": (1, 32768, True, None, 4095), "rand0.13": (1, 32768, False, 0.13, -1),
+          "docs": None}
+# "docs": issue 14's 16 packed documents (bench_forward.py's DOCS), causal within each, varlen.
+DOCS = (6000, 1, 3517, 5120, 129, 4096, 777, 2048, 5999, 64, 1500, 300, 1023, 1300, 17, 889)
 
 
 def lists(batch, seqlen, density, gen):
@@ -36,9 +39,22 @@ def lists(batch, seqlen, density, gen):
     return counts.contiguous(), order.contiguous()
 
 
-for name in sys.argv[2:] or SHAPES:
-    batch, seqlen, causal, density, window_left = SHAPES[name]
+def prepared_run(name):
+    """The shape's plan and a function that runs it once on the timeline stream."""
     gen = torch.Generator(device="cuda").manual_seed(0)
+    s = benchlib.stream()
+    if name == "docs":
+        total = sum(DOCS)
+        q = torch.randn(total, HQ, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+        k = torch.randn(total, HKV, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+        v = torch.randn(total, HKV, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+        out, lse = torch.empty_like(q), torch.empty(HQ, total, device="cuda")
+        cu = torch.tensor((0,) + DOCS, device="cuda").cumsum(0).to(torch.int32)
+        plan = benchlib.Plan(LIB, LIB.bsattn_bench_plan_varlen(len(DOCS), max(DOCS), total, HQ, HKV, D, 0, BLOCK,
+                                                               BLOCK, 1, -1))
+        args = [benchlib.ptr(t) for t in (q, k, v, cu, out, lse)]
+        return plan, lambda: benchlib.ok(LIB, LIB.bsattn_bench_run_varlen(plan.h, *args, s)), (q, k, v, out, lse, cu)
+    batch, seqlen, causal, density, window_left = SHAPES[name]
     q = torch.randn(batch, seqlen, HQ, D, dtype=torch.bfloat16, device="cuda", generator=gen)
     k = torch.randn(batch, seqlen, HKV, D, dtype=torch.bfloat16, device="cuda", generator=gen)
     v = torch.randn(batch, seqlen, HKV, D, dtype=torch.bfloat16, device="cuda", generator=gen)
@@ -46,13 +62,17 @@ for name in sys.argv[2:] or SHAPES:
     cnt, idx = lists(batch, seqlen, density, gen) if density else (None, None)
     plan = benchlib.Plan(LIB, LIB.bsattn_bench_plan(batch, seqlen, HQ, HKV, D, 0, BLOCK, BLOCK, 1 if density else 0,
                                                     HQ if density else 1, int(causal), window_left))
-    s = benchlib.stream()
     args = [benchlib.ptr(t) for t in (q, k, v, out, None, cnt, idx)]
+    return plan, lambda: benchlib.ok(LIB, LIB.bsattn_bench_run(plan.h, *args, s)), (q, k, v, out, cnt, idx)
+
+
+for name in sys.argv[2:] or SHAPES:
+    plan, run, keep_alive = prepared_run(name)
     for _ in range(3):
-        benchlib.ok(LIB, LIB.bsattn_bench_run(plan.h, *args, s))
+        run()
     torch.cuda.synchronize()
     buffer.zero_()
-    benchlib.ok(LIB, LIB.bsattn_bench_run(plan.h, *args, s))
+    run()
     torch.cuda.synchronize()
     plan.check()
     tiles = buffer[2 * MAX_CTAS * SLOTS * 2:].view(MAX_CTAS, TILES, 3).cpu().tolist()
