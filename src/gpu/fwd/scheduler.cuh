@@ -5,8 +5,8 @@
 // row adjacent, so that heads sharing K/V tiles run at the same time and meet in L2.
 // A CTA starts with item blockIdx.x and then takes the next unclaimed item from a global counter:
 // long rows start first and short ones fill the tail, whatever the sparsity pattern. The two CTAs
-// of a pair must walk the same items, so clusters take a static share instead: the longest-first
-// order is cut into groups of `clusters` items and cluster c takes the c-th item of even groups and
+// of a pair must walk the same items, so clusters take a static share instead: the work order is
+// cut into groups of `clusters` items and cluster c takes the c-th item of even groups and
 // the c-th from the end of odd ones (a plain round robin gave the first clusters the longest item of
 // every group).
 #pragma once
