@@ -229,13 +229,10 @@ __global__ void derive_offsets_kernel(const route::RouteParams p, std::int32_t* 
 // thousands of rows): by row group (RowOrder: the rows whose tiles read one KV head's K/V), then by
 // route count, longest first. A group's tiles then run at the same time and find their K/V in L2
 // (the K/V of one KV head at S = 32768 is 17 MB; of eight, more than L2 holds), and each group
-// still ends with its shortest rows, so that the last group's fill the tail. Groups beyond
-// kOrderGroups share a bin range (consecutive groups together); counts are scaled to the bins
-// left per group. The order inside a bin is whatever the atomics give, which changes the schedule
+// still ends with its shortest rows, so that the last group's fill the tail (bins:
+// prepare_routes.hpp). The order inside a bin is whatever the atomics give, which changes the schedule
 // but never a result.
-constexpr int kOrderThreads = 1024;
-constexpr int kOrderBins = 2 * kOrderThreads;
-constexpr int kOrderGroups = 16;
+constexpr int kOrderThreads = kOrderBins / 2;  // two bins per thread in the scan
 
 __global__ void __launch_bounds__(kOrderThreads) order_rows_kernel(const std::int32_t* counts, int rows,
                                                                    RowOrder groups, std::int32_t* order) {

@@ -34,6 +34,10 @@ struct RowOrder {
   int rows_per_group = 1;
   int max_count = 1;
 };
+// The sort's bins: at most kOrderGroups bin ranges of groups (more groups share one, consecutive
+// groups together), each of kOrderBins / ranges bins of route counts scaled by max_count.
+constexpr int kOrderBins = 2048;
+constexpr int kOrderGroups = 16;
 RowOrder row_order_groups(const route::RouteParams& route);
 
 // Writes the route rows into `order` ([rows], device) in that order.

@@ -226,8 +226,9 @@ TEST(GpuRoutes, WorkOrderGroupsByKvThenLongestFirst) {
     }
     for (int r = 0; r < rows; ++r) ASSERT_EQ(seen[r], 1) << "row " << r;
     const int group_count = (rows + groups.rows_per_group - 1) / groups.rows_per_group;
-    const int bins = std::min(group_count, 16);  // kOrderGroups
-    const double tolerance = static_cast<double>(groups.max_count + 1) / (2048 / bins);  // one count bin
+    const int bins = std::min(group_count, bsattn::gpu::kOrderGroups);
+    // One count bin of the sort: counts this close may come in either order.
+    const double tolerance = static_cast<double>(groups.max_count + 1) / (bsattn::gpu::kOrderBins / bins);
     for (int i = 1; i < rows; ++i) {
       const int a = order[i - 1], b = order[i];
       const long long range_a = static_cast<long long>(a / groups.rows_per_group) * bins / group_count;
