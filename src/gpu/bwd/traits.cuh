@@ -49,6 +49,10 @@ struct Traits {
   // Registers (setmaxnreg): the producer walks and issues cp.async; the consumers hold dK / dV.
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
+  // 40 is all the producer can keep: the consumers' 232 take the rest of the CTA's 384 x 168 (a
+  // 48-register producer hung the kernel in setmaxnreg, 2026-12-03).
+  static_assert(fwd::register_split_fits(kProducerThreads, kProducerRegs, kConsumerThreads, kConsumerRegs),
+                "the consumers' registers exceed the CTA's allocation");
   static constexpr bool kOwnRows = kBlockN == 128;
   // dQ = dS K: split along D over both consumers where each half fills a 64-wide swizzle atom.
   static constexpr int kDqWarpgroups = dq_warpgroups(kHeadDim);

@@ -50,6 +50,8 @@ struct WsConfig {
   // of one consumer warpgroup: 40 / 208 (a split that takes every register hung in setmaxnreg).
   static constexpr int kProducerRegs = T::kWarpgroups == 2 || T::kCtasPerSm == 2 ? 40 : 56;
   static constexpr int kConsumerRegs = T::kWarpgroups == 2 ? 232 : T::kCtasPerSm == 2 ? 208 : 240;
+  static_assert(register_split_fits(kProducerThreads, kProducerRegs, T::kThreads, kConsumerRegs, T::kCtasPerSm),
+                "the consumers' registers exceed the CTA's allocation");
   struct Smem {
     typename T::SharedStorage tiles;
     PipelineBarriers<T::kStages, T::kWarpgroups> bars;

@@ -96,6 +96,16 @@ __device__ __forceinline__ void cluster_sync_threads() {
 }
 
 // threadIdx.x through volatile asm: the compiler cannot hoist what is derived from it out of a loop.
+// Whether a warp-specialised CTA's register split can be reached by setmaxnreg: registers move
+// only within the CTA's own allocation (its threads x the launch count, 64 K per SM shared by
+// ctas_per_sm CTAs, in steps of 8), so what the consumers gain must not exceed what the producer
+// gives back, or their setmaxnreg.inc waits forever.
+constexpr bool register_split_fits(int producer_threads, int producer_regs, int consumer_threads, int consumer_regs,
+                                   int ctas_per_sm = 1) {
+  const int launch = 65536 / ctas_per_sm / (producer_threads + consumer_threads) / 8 * 8;
+  return producer_threads * (launch - producer_regs) >= consumer_threads * (consumer_regs - launch);
+}
+
 __device__ __forceinline__ int opaque_thread_index() {
   int t;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
