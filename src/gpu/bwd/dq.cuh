@@ -61,12 +61,13 @@ constexpr bool standard_fragment(Layout layout) {
 }
 
 // dQ = dS K of the step into `acc` (a fragment of T::MmaDQ over 64 x D), issued as one wgmma
-// group and not waited for: the caller waits where it needs the result. Run by the dQ warpgroups
-// (dq_tid: thread index among them). dS is in shared memory (st.ds[ds_buffer]).
+// group and not waited for: the caller waits where it needs the result. Run by the dQ warpgroups;
+// `slice`: 128 x the dQ warpgroup's index, warp-uniform (its operands depend on the warpgroup
+// alone, so their descriptors stay in uniform registers). dS is in shared memory (st.ds[ds_buffer]).
 template <class T, class Acc>
-__device__ __forceinline__ void issue_dq_gemm(typename T::SharedStorage& st, int ds_buffer, Acc& acc, int dq_tid) {
+__device__ __forceinline__ void issue_dq_gemm(typename T::SharedStorage& st, int ds_buffer, Acc& acc, int slice) {
   typename T::MmaDQ mma;
-  auto thr = mma.get_thread_slice(dq_tid);
+  auto thr = mma.get_thread_slice(slice);
   Tensor sdS = make_tensor(make_smem_ptr(st.ds[ds_buffer]), typename T::SmemLayoutP{});
   Tensor sKt = make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutKt{});
   wg_gemm<true, false>(mma, thr.partition_fragment_A(sdS), thr.partition_fragment_B(sKt), acc);

@@ -31,11 +31,12 @@ namespace bsattn::gpu::bwd {
 // dV += P^T dO or dK += dS^T Q of 64 KV rows. `a`: P^T or dS^T, the register A operand
 // (kOwnRows), or the 64 x 64 block of P or dS in shared memory whose KV columns are the GEMM's rows;
 // `staged`: dO or Q (all stages; the B operand is its transpose).
+// The warpgroup's shared-memory operands are the same for each of its threads: their descriptors
+// come from thread 0's slice, a constant, so ptxas keeps them in uniform registers.
 template <class T, class A, class Acc>
-__device__ __forceinline__ void issue_dkv_gemm(const A& a, const typename T::Element* staged, int stage, Acc& acc,
-                                               int consumer_tid) {
+__device__ __forceinline__ void issue_dkv_gemm(const A& a, const typename T::Element* staged, int stage, Acc& acc) {
   typename T::MmaDKV mma;
-  auto thr = mma.get_thread_slice(consumer_tid % 128);
+  auto thr = mma.get_thread_slice(0);
   Tensor bt = make_tensor(make_smem_ptr(staged), typename T::SmemLayoutQt{});
   // The stage is picked among the operand descriptors: a slice of the swizzled layout itself would
   // keep its offset inside the layout, where the descriptors do not see it.
@@ -114,6 +115,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   }
   cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
   const int ctid = tid - T::kProducerThreads, wg = ctid / 128;  // consumer thread, consumer warpgroup
+  // The shared-memory operands' descriptors depend on the warpgroup alone: from a warp-uniform
+  // index ptxas builds them in uniform registers (an add per k step, no moves from the vector
+  // registers before each wgmma), and keeps the index there across the step loop.
+  const int warpgroup = __shfl_sync(0xffffffffu, wg, 0);
   const std::int64_t packed_base = p.varlen_q ? si.q_base : static_cast<std::int64_t>(b) * p.max_seqlen_q;
 
   typename T::MmaSdP mma_sdp;
@@ -140,6 +145,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // out of the step loop, their descriptors and addresses would stay live across it and spill.
     const int ltid = fwd::opaque_thread_index() - T::kProducerThreads;
     auto thr_sdp = mma_sdp.get_thread_slice(ltid);
+    auto ops_sdp = mma_sdp.get_thread_slice(warpgroup * 128);  // the operands' slice: descriptors
     Tensor sQ = make_tensor(make_smem_ptr(st.q), typename T::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(st.dout), typename T::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutK{});
@@ -149,15 +155,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     Tensor tSrS = partition_fragment_C(mma_sdp, ScoreShape{});
     Tensor tdPrdP = partition_fragment_C(mma_sdp, ScoreShape{});
     if constexpr (T::kOwnRows) {
-      wg_gemm<true, false>(mma_sdp, thr_sdp.partition_fragment_A(sK),
-                           thr_sdp.partition_fragment_B(sQ)(_, _, _, stage), tSrS);
-      wg_gemm<true, false>(mma_sdp, thr_sdp.partition_fragment_A(sV),
-                           thr_sdp.partition_fragment_B(sdO)(_, _, _, stage), tdPrdP);
+      wg_gemm<true, false>(mma_sdp, ops_sdp.partition_fragment_A(sK),
+                           ops_sdp.partition_fragment_B(sQ)(_, _, _, stage), tSrS);
+      wg_gemm<true, false>(mma_sdp, ops_sdp.partition_fragment_A(sV),
+                           ops_sdp.partition_fragment_B(sdO)(_, _, _, stage), tdPrdP);
     } else {
-      wg_gemm<true, false>(mma_sdp, thr_sdp.partition_fragment_A(sQ)(_, _, _, stage),
-                           thr_sdp.partition_fragment_B(sK), tSrS);
-      wg_gemm<true, false>(mma_sdp, thr_sdp.partition_fragment_A(sdO)(_, _, _, stage),
-                           thr_sdp.partition_fragment_B(sV), tdPrdP);
+      wg_gemm<true, false>(mma_sdp, ops_sdp.partition_fragment_A(sQ)(_, _, _, stage),
+                           ops_sdp.partition_fragment_B(sK), tSrS);
+      wg_gemm<true, false>(mma_sdp, ops_sdp.partition_fragment_A(sdO)(_, _, _, stage),
+                           ops_sdp.partition_fragment_B(sV), tdPrdP);
     }
     // S is complete (dP may still run): the route mask exactly as in the forward, P, and P out
     // (registers or shared memory) under the dP GEMM. The views below are (query row, KV column)
@@ -203,7 +209,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     to_element(rP, tSrS);
     if constexpr (T::kOwnRows) {
       // dV of the consumer's KV rows from its own P^T: issued now, under dS.
-      issue_dkv_gemm<T>(rP, st.dout, stage, acc_dkv, ltid);
+      issue_dkv_gemm<T>(rP, st.dout, stage, acc_dkv);
       warpgroup_wait<1>();  // S and dP complete, dV in flight
     } else {
       Tensor sP = make_tensor(make_smem_ptr(st.p.data + buffer * 64 * kBlockN), typename T::SmemLayoutP{});
@@ -240,13 +246,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                 dq_tid);
     };
     const auto issue_dkv = [&]() {
-      if constexpr (T::kOwnRows) issue_dkv_gemm<T>(rdS, st.q, stage, acc_dk, ltid);
-      else if (wg == 0) issue_dkv_gemm<T>(st.p.data + buffer * 64 * kBlockN, st.dout, stage, acc_dkv, ltid);
-      else issue_dkv_gemm<T>(st.ds[buffer], st.q, stage, acc_dkv, ltid);
+      if constexpr (T::kOwnRows) issue_dkv_gemm<T>(rdS, st.q, stage, acc_dk);
+      else if (wg == 0) issue_dkv_gemm<T>(st.p.data + buffer * 64 * kBlockN, st.dout, stage, acc_dkv);
+      else issue_dkv_gemm<T>(st.ds[buffer], st.q, stage, acc_dkv);
     };
     if constexpr (T::kDqFirst) {
       Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
-      issue_dq_gemm<T>(st, buffer, acc_dq, dq_tid);
+      issue_dq_gemm<T>(st, buffer, acc_dq, (warpgroup - T::kDqWarpgroup0) * 128);
       issue_dkv();
       warpgroup_wait<1>();
       add_dq_after(acc_dq);
@@ -254,7 +260,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // D 64: consumer 1 alone computes dQ; it issues dQ first and adds under its dK GEMM.
       if (dq_warpgroup) {
         Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
-        issue_dq_gemm<T>(st, buffer, acc_dq, dq_tid);
+        issue_dq_gemm<T>(st, buffer, acc_dq, (warpgroup - T::kDqWarpgroup0) * 128);
         issue_dkv();
         warpgroup_wait<1>();
         add_dq_after(acc_dq);
@@ -265,7 +271,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // D 256: dK / dV first (registers: dQ's 64 accumulators beside dK / dV's 128).
       issue_dkv();
       Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
-      issue_dq_gemm<T>(st, buffer, acc_dq, dq_tid);
+      issue_dq_gemm<T>(st, buffer, acc_dq, (warpgroup - T::kDqWarpgroup0) * 128);
       warpgroup_wait<0>();
       add_dq_after(acc_dq);
     }
