@@ -95,7 +95,6 @@ __device__ __forceinline__ void cluster_sync_threads() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
 
-// threadIdx.x through volatile asm: the compiler cannot hoist what is derived from it out of a loop.
 // Whether a warp-specialised CTA's register split can be reached by setmaxnreg: registers move
 // only within the CTA's own allocation (its threads x the launch count, 64 K per SM shared by
 // ctas_per_sm CTAs, in steps of 8), so what the consumers gain must not exceed what the producer
@@ -106,6 +105,7 @@ constexpr bool register_split_fits(int producer_threads, int producer_regs, int 
   return producer_threads * (launch - producer_regs) >= consumer_threads * (consumer_regs - launch);
 }
 
+// threadIdx.x through volatile asm: the compiler cannot hoist what is derived from it out of a loop.
 __device__ __forceinline__ int opaque_thread_index() {
   int t;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
