@@ -29,11 +29,13 @@ once the run is that many seconds old; bsattn runs every row first, then the pee
 (FA4 causal, Flex and FA4 at 0.25, Flex causal, the other densities, D 64, D 256).
 --compare LIB...: other builds of the library (kernel variants) timed against --lib on the same
 inputs, in --rounds interleaved rounds (ABBA order), each first checked against the reference;
-their ratios go to the row's notes (time of the variant / time of --lib).
+their ratios go to the row's notes (time of the variant / time of --lib). --time-unchecked: a
+variant that fails the check is still timed (timing-only builds that skip part of the work, to
+price it; its note says "unchecked").
 
   python3 bench/gpu/bench_backward.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--out backward.md]
       [--rows causal,rand0.1,rand0.25,rand0.5,rand1.0,d64,d256] [--peers all|none|fa4|flex]
-      [--heads kv|q|1] [--iters 20] [--budget 50] [--deterministic] [--compare LIB... [--rounds 4]]
+      [--heads kv|q|1] [--iters 20] [--budget 50] [--deterministic] [--compare LIB... [--rounds 4] [--time-unchecked]]
 """
 import argparse
 import math
@@ -62,6 +64,7 @@ P.add_argument("--skip-small-check", action="store_true")
 P.add_argument("--out", default="")
 P.add_argument("--compare", nargs="+", default=[], help="other library builds timed against --lib, interleaved")
 P.add_argument("--rounds", type=int, default=4, help="interleaved rounds per row with --compare")
+P.add_argument("--time-unchecked", action="store_true", help="time --compare builds that fail the check")
 ARGS = P.parse_args()
 ARGS.iters = max(20, ARGS.iters)
 if not set(ARGS.rows.split(",")) <= set(ALL_ROWS):
@@ -218,8 +221,10 @@ def compare_variants(r, c, refs, ours):
         o.plan.check()
         errs = grad_errors(c, refs, o.dq, o.dk, o.dv)
         if not max(errs) < TOL:
-            r.notes.append(f"variant{j} MISMATCH vs reference ({max(errs):.1e})")
-            continue
+            r.notes.append(f"variant{j} MISMATCH vs reference ({max(errs):.1e})"
+                           + (", timed unchecked" if ARGS.time_unchecked else ""))
+            if not ARGS.time_unchecked:
+                continue
         runs.append(o)
     times = [[] for _ in runs]
     for rnd in range(ARGS.rounds):
