@@ -9,14 +9,18 @@ On the GPU machine, per kernel (one launch, the same row for both):
 
 then anywhere:
 
-    python3 bench/gpu/sass_profile.py A.sass.csv [B.sass.csv] [--per N] [--loop]
+    python3 bench/gpu/sass_profile.py A.sass.csv [B.sass.csv] [--per N] [--loop] [--wavefronts]
 
 For each file: warp instructions executed by opcode (absolute, and per N units of work with
 --per, e.g. N = consumer-warp routes), stall samples by opcode, and the instructions grouped by
 how often they ran (a loop body runs once per iteration, so its instructions share one count:
 the steady-state loop is the largest group by samples). --loop prints that group in address order
 with runs of one opcode folded, to see where the waits sit among the GEMMs and the softmax.
-With two files the opcode table has both columns.
+With two files the opcode table has both columns. --wavefronts: shared-memory wavefronts by
+instruction (the page's "L1 Wavefronts Shared" column; wgmma operand reads included, TMA traffic
+not), per --per units: the shared-memory port moves one 128-byte wavefront per cycle, so their sum
+per unit of work is a floor on its cycles (how the backward's step was priced on 2026-12-03,
+bench/RESULTS.md 16:02).
 """
 import argparse
 import collections
@@ -47,6 +51,27 @@ def read(path):
         out.append((r[0], op, src, num(r[col["Instructions Executed"]]),
                     num(r[col["Warp Stall Sampling (All Samples)"]])))
     return out
+
+
+def shared_wavefronts(path):
+    """{opcode with modifiers: (wavefronts, executed)} from the "L1 Wavefronts Shared" column ({}
+    when the page has none)."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    col = {h: i for i, h in enumerate(rows[head])}
+    if "L1 Wavefronts Shared" not in col:
+        return {}
+    acc = collections.defaultdict(lambda: [0.0, 0.0])
+    for r in rows[head + 1:]:
+        if len(r) != len(rows[head]):
+            continue
+        w = float(r[col["L1 Wavefronts Shared"]].replace(",", "") or 0)
+        if w > 0:
+            op = re.sub(r"^@!?U?P\w+\s+", "", r[col["Source"]].strip()).split(" ")[0]
+            acc[op][0] += w
+            acc[op][1] += float(r[col["Instructions Executed"]].replace(",", "") or 0)
+    return dict(acc)
 
 
 def by_opcode(rows):
@@ -86,6 +111,7 @@ def main(argv=None):
     p.add_argument("--per", type=float, default=0.0, help="also print instructions per this many units of work")
     p.add_argument("--top", type=int, default=30, help="opcodes listed")
     p.add_argument("--loop", action="store_true", help="print the largest group (the steady loop) in order")
+    p.add_argument("--wavefronts", action="store_true", help="shared-memory wavefronts by instruction")
     args = p.parse_args(argv)
     data = [read(f) for f in args.files]
     ops = [by_opcode(d) for d in data]
@@ -101,6 +127,14 @@ def main(argv=None):
             n, s = o[k] if k in o else (0.0, 0.0)
             cells += f"{n / 1e6:12.2f}{(n / args.per if args.per else 0):10.1f}{s:9.0f}"
         print(f"{k:14s}{cells}")
+    if args.wavefronts:
+        for f in args.files:
+            waves = shared_wavefronts(f)
+            total = sum(w for w, _ in waves.values())
+            unit = args.per or 1.0
+            print(f"\n{f}: shared-memory wavefronts, {total / unit:.1f} per unit")
+            for op, (w, n) in sorted(waves.items(), key=lambda kv: -kv[1][0]):
+                print(f"  {op:36s}{w / unit:10.1f} per unit{w / n if n else 0:8.1f} per instruction")
     for f, d in zip(args.files, data):
         print(f"\n{f}: instructions by execution count (largest sample share first)")
         total = sum(r[4] for r in d) or 1.0

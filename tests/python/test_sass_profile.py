@@ -86,6 +86,28 @@ def test_main_prints_both_files():
     assert "2 x HGMMA.64x128x16.F32.BF16" in text
 
 
+def test_shared_wavefronts_by_instruction():
+    """The "L1 Wavefronts Shared" column summed by opcode with its modifiers, predicates stripped;
+    a page without the column gives nothing."""
+    out = io.StringIO()
+    w = csv.writer(out, quoting=csv.QUOTE_ALL)
+    w.writerow(HEADER + ["L1 Wavefronts Shared"])
+    for addr, src, executed, waves in (("0x100", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24", 8000, 64000),
+                                       ("0x110", "@P0 LDS R3, [R2]", 8000, 8000),
+                                       ("0x120", "LDS R4, [R2+0x4]", 8000, 8000),
+                                       ("0x130", "STS.128 [R5], R8", 2000, 8000),
+                                       ("0x140", "FFMA R1, R2, R3, R4", 8000, 0)):
+        w.writerow([addr, src, "0", "0", "0", f"{executed:,}", f"{waves:,}"])
+    waves = sass_profile.shared_wavefronts(write(out.getvalue()))
+    assert waves == {"HGMMA.64x64x16.F32.BF16": [64000.0, 8000.0], "LDS": [16000.0, 16000.0],
+                     "STS.128": [8000.0, 2000.0]}
+    assert sass_profile.shared_wavefronts(write(page(ROWS))) == {}
+    text = io.StringIO()
+    with redirect_stdout(text):
+        assert sass_profile.main([write(out.getvalue()), "--per", "1000", "--wavefronts"]) == 0
+    assert "shared-memory wavefronts, 88.0 per unit" in text.getvalue()
+
+
 if __name__ == "__main__":
     for name, fn in list(globals().items()):
         if name.startswith("test_"):
