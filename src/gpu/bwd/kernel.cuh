@@ -25,6 +25,7 @@
 #include "gpu/bwd/traits.cuh"
 #include "gpu/fwd/mask.cuh"
 #include "gpu/fwd/softmax.cuh"
+#include "gpu/fwd/timeline.cuh"
 
 namespace bsattn::gpu::bwd {
 
@@ -72,7 +73,7 @@ template <class T, bool kTokenTensors>
 __global__ void __launch_bounds__(T::kThreads, 1)
     backward_kernel(const __grid_constant__ BackwardParams g, const __grid_constant__ BackwardWorkspace ws,
                     const __grid_constant__ StepMaps maps, const int* __restrict__ overflow, int deterministic,
-                    int max_kv_tiles) {
+                    int max_kv_tiles, std::uint64_t* timeline) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -138,6 +139,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     Barrier::wait(&st.full[stage], (i / kStages) & 1);
     const Step step = st.step[stage];
     if (step.head < 0) break;
+    const auto mark = [&](int event) { fwd::timeline_step(timeline, i, warpgroup, event); };
+    mark(fwd::kBwdStageFull);
     const unsigned units = walk.step_units(step.sub);
     const int buffer = i % 2;  // P's and dS's double buffers
 
@@ -165,10 +168,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       wg_gemm<true, false>(mma_sdp, ops_sdp.partition_fragment_A(sdO)(_, _, _, stage),
                            ops_sdp.partition_fragment_B(sV), tdPrdP);
     }
+    mark(fwd::kBwdScoresIssued);
     // S is complete (dP may still run): the route mask exactly as in the forward, P, and P out
     // (registers or shared memory) under the dP GEMM. The views below are (query row, KV column)
     // in either orientation.
     warpgroup_wait<1>();
+    mark(fwd::kBwdScoresDone);
     warpgroup_fence_operand(tSrS);
     Tensor s_rc = query_major(make_tensor(tSrS.data(), fwd::acc_rowcol(tSrS.layout())));
     Tensor dp_rc = query_major(make_tensor(tdPrdP.data(), fwd::acc_rowcol(tdPrdP.layout())));
@@ -210,12 +215,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     if constexpr (T::kOwnRows) {
       // dV of the consumer's KV rows from its own P^T: issued now, under dS.
       issue_dkv_gemm<T>(rP, st.dout, stage, acc_dkv);
+      mark(fwd::kBwdDvIssued);
       warpgroup_wait<1>();  // S and dP complete, dV in flight
     } else {
       Tensor sP = make_tensor(make_smem_ptr(st.p.data + buffer * 64 * kBlockN), typename T::SmemLayoutP{});
       cute::copy(copy_pds, thr_copy.retile_S(make_tensor(rP.data(), tSrS.layout())), thr_copy.partition_D(sP));
+      mark(fwd::kBwdDvIssued);
       warpgroup_wait<0>();
     }
+    mark(fwd::kBwdDpDone);
     warpgroup_fence_operand(tdPrdP);
     CUTE_UNROLL
     for (int r = 0; r < size<0>(s_rc); ++r) {
@@ -230,6 +238,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       cute::copy(copy_pds, thr_copy.retile_S(make_tensor(rdS.data(), tdPrdP.layout())), thr_copy.partition_D(sdS));
     }
     cutlass::arch::fence_view_async_shared();  // P and dS (generic-proxy stores) before the wgmma reads
+    mark(fwd::kBwdDsStored);
     const bool dq_warpgroup = wg >= T::kDqWarpgroup0;
     const int dq_tid = ltid - 128 * T::kDqWarpgroup0;
     // The previous step's staged dQ has been read by its bulk reductions before anyone passes the
@@ -237,13 +246,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     if constexpr (T::kDqBulk)
       if (dq_warpgroup && dq_bulk_leader(dq_tid)) fwd::bulk_store_wait<true>();
     fwd::barrier_sync(kStepBarrier, T::kConsumerThreads);
+    mark(fwd::kBwdStepBarrier);
 
     // dK (and, 64-wide tiles, dV) and dQ. dQ's GEMM goes first where both consumers compute it,
     // so its adds run under the dK / dV GEMM.
     const auto add_dq_after = [&](auto& acc_dq) {
       warpgroup_fence_operand(acc_dq);
+      mark(fwd::kBwdDqDone);
       add_dq<T>(acc_dq, st, step, ws, packed_base, a, si, b, deterministic != 0, deterministic != 0 && walk.last_of_record(step),
                 dq_tid);
+      mark(fwd::kBwdDqAdded);
     };
     const auto issue_dkv = [&]() {
       if constexpr (T::kOwnRows) issue_dkv_gemm<T>(rdS, st.q, stage, acc_dk);
@@ -276,6 +288,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       add_dq_after(acc_dq);
     }
     warpgroup_wait<0>();
+    mark(fwd::kBwdStepDone);
     warpgroup_fence_operand(acc_dkv);
     if constexpr (T::kOwnRows) warpgroup_fence_operand(acc_dk);
     __syncwarp();  // the warp's reads of the stage before its leader releases it
@@ -311,7 +324,8 @@ cudaError_t launch_kernel(const BackwardParams& g, const BackwardWorkspace& ws, 
              fwd::encode_token_map(encode, T::kHeadDim, g.dout, g.dout_strides.batch, g.dout_strides.token,
                                    g.dout_strides.head, p.varlen_q, tokens, p.heads_q, p.batch, 64, maps.dout);
   backward_kernel<T, kTokenTensors>
-      <<<grid, T::kThreads, T::kSmemBytes, stream>>>(g, ws, maps, overflow, deterministic ? 1 : 0, max_kv_tiles);
+      <<<grid, T::kThreads, T::kSmemBytes, stream>>>(g, ws, maps, overflow, deterministic ? 1 : 0, max_kv_tiles,
+                                                    fwd::timeline_backward_buffer());
   return cudaGetLastError();
 }
 

@@ -6,8 +6,10 @@
 // bench/gpu/decode_timeline.py, forward_timeline.py): two regions of kTimelineCtas x
 // kTimelineSlots x {globaltimer, clock64}, the forward kernel's CTAs, then route preparation's
 // blocks; then a third of kTimelineCtas x kTimelineTiles x {start, end, item | count << 32}, each
-// CTA's tiles (consumer warpgroup 0), for load balance and tails. In a normal build the marks are
-// no code.
+// CTA's tiles (consumer warpgroup 0), for load balance and tails; then a fourth for the backward
+// kernel (bwd/kernel.cuh): kBwdTimelineCtas x 2 consumer warpgroups x kBwdTimelineSteps x
+// kBwdEvents clock64 values, the phases of each of a CTA's first steps
+// (bench/gpu/backward_timeline.py). In a normal build the marks are no code.
 #pragma once
 #include <cstdint>
 #include <cstdlib>
@@ -37,6 +39,23 @@ enum PrepareEvent : int { kPrepareEntry = 0, kPrepareRowOpen, kPrepareCounted, k
 constexpr int kTimelineCtas = 1024;
 constexpr int kTimelineTiles = 64;  // tiles recorded per CTA
 constexpr std::size_t kTimelineRegionWords = static_cast<std::size_t>(kTimelineCtas) * kTimelineSlots * 2;
+// The backward's step phases (consumer warpgroup leaders), in the order a step passes them.
+enum BackwardEvent : int {
+  kBwdStageFull = 0,   // the step's stage has landed and its record is read
+  kBwdScoresIssued,    // S and dP GEMMs issued
+  kBwdScoresDone,      // S complete
+  kBwdDvIssued,        // P computed (mask, exp2) and dV issued (or P stored)
+  kBwdDpDone,          // dP complete
+  kBwdDsStored,        // dS computed and stored, proxy fence passed
+  kBwdStepBarrier,     // both consumers' dS stored (the step barrier passed)
+  kBwdDqDone,          // dQ complete (dK issued)
+  kBwdDqAdded,         // dQ staged and handed to the bulk reduction (or added)
+  kBwdStepDone,        // dK / dV complete, the stage about to be released
+  kBwdEvents
+};
+constexpr int kBwdTimelineCtas = 256;  // by linear block index: (KV tile, KV head, batch)
+constexpr int kBwdTimelineSteps = 64;  // first steps of a CTA
+constexpr std::size_t kTimelineBackwardOffset = 2 * kTimelineRegionWords + static_cast<std::size_t>(kTimelineCtas) * kTimelineTiles * 3;
 
 #if BSATTN_GPU_TIMELINE
 // Blocks past kTimelineCtas (route preparation of many rows) are not recorded: they would write
@@ -62,6 +81,14 @@ __device__ __forceinline__ void timeline_tile(std::uint64_t* buffer, int t, bool
     at[2] = static_cast<std::uint32_t>(item) | (static_cast<std::uint64_t>(count) << 32);
   }
 }
+// Event `event` of step `step` of a backward consumer warpgroup (its first thread records).
+__device__ __forceinline__ void timeline_step(std::uint64_t* buffer, int step, int warpgroup, int event) {
+  if (!buffer || step >= kBwdTimelineSteps || threadIdx.x % 128 != 0) return;
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (cta >= kBwdTimelineCtas) return;
+  buffer[((static_cast<std::size_t>(cta) * 2 + warpgroup) * kBwdTimelineSteps + step) * kBwdEvents + event] =
+      static_cast<std::uint64_t>(clock64());
+}
 // region 0: the forward kernel; 1: route preparation (the tiles follow both: timeline_tile).
 inline std::uint64_t* timeline_buffer(int region = 0) {
   static std::uint64_t* const buffer = [] {
@@ -70,10 +97,16 @@ inline std::uint64_t* timeline_buffer(int region = 0) {
   }();
   return buffer ? buffer + region * kTimelineRegionWords : nullptr;
 }
+inline std::uint64_t* timeline_backward_buffer() {
+  std::uint64_t* const base = timeline_buffer();
+  return base ? base + kTimelineBackwardOffset : nullptr;
+}
 #else
 __device__ __forceinline__ void timeline_mark(std::uint64_t*, int) {}
 __device__ __forceinline__ void timeline_tile(std::uint64_t*, int, bool, int = 0, int = 0) {}
+__device__ __forceinline__ void timeline_step(std::uint64_t*, int, int, int) {}
 inline std::uint64_t* timeline_buffer(int = 0) { return nullptr; }
+inline std::uint64_t* timeline_backward_buffer() { return nullptr; }
 #endif
 
 }  // namespace bsattn::gpu::fwd
