@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Where a backward step's cycles go: the backward kernel of a timeline build (CMake
--DBSATTN_GPU_TIMELINE=ON, src/gpu/fwd/timeline.cuh) records clock64 at ten points of each of the
-first 64 steps of its first 256 CTAs, per consumer warpgroup (its first thread): stage landed, S and
-dP issued, S done, dV issued, dP done, dS stored, step barrier passed, dQ done, dQ handed to its
-reduction, dK / dV done. This prints, per shape, the step period and the median cycles from each
-point to the next over the steady steps (from the third step on), for each warpgroup, and the
-share of the step each phase takes. bf16, S 16384, Hq 32 / Hkv 8, D 128, blocks of 128.
+-DBSATTN_GPU_TIMELINE=ON, src/gpu/fwd/timeline.cuh) records clock64 at twelve points of each of the
+first 64 steps of its first 256 CTAs, per consumer warp (its first lane): stage landed, setup done,
+S issued, dP issued, S done, dV issued, dP done, dS stored, step barrier passed, dQ done, dQ handed
+to its reduction, dK / dV done. This prints, per shape, the step period and, for each warp, the
+median cycles from the step's start (the first warp past its stage wait) to each event over the
+steady steps (the third on). bf16, S 16384, Hq 32 / Hkv 8, D 128, blocks of 128.
 
   python3 bench/gpu/backward_timeline.py build-tl/bench/gpu/libbsattn_bench.so [causal|rand0.25|...]
 """
@@ -21,10 +21,10 @@ import benchlib  # noqa: E402
 # timeline.cuh: kTimelineSlots, kTimelineCtas, kTimelineTiles, then the backward region.
 SLOTS, MAX_CTAS, TILES = 16, 1024, 64
 BWD_CTAS, BWD_STEPS = 256, 64
-EVENTS = ("stage landed", "S, dP issued", "S done", "dV issued", "dP done", "dS stored", "step barrier",
+EVENTS = ("stage landed", "setup done", "S issued", "dP issued", "S done", "dV issued", "dP done", "dS stored", "step barrier",
           "dQ done", "dQ handed", "dK, dV done")
 OFFSET = 2 * MAX_CTAS * SLOTS * 2 + MAX_CTAS * TILES * 3
-buffer = torch.zeros(OFFSET + BWD_CTAS * 2 * BWD_STEPS * len(EVENTS), dtype=torch.int64, device="cuda")
+buffer = torch.zeros(OFFSET + BWD_CTAS * 8 * BWD_STEPS * len(EVENTS), dtype=torch.int64, device="cuda")
 os.environ["BSATTN_GPU_TIMELINE_BUFFER"] = str(buffer.data_ptr())  # read at the first launch
 LIB = benchlib.load(sys.argv[1], need=("bsattn_bench_plan", "bsattn_bench_run_backward"))
 HQ, HKV, D, BLOCK, S = 32, 8, 128, 128, 16384
@@ -61,37 +61,39 @@ def run(shape):
         benchlib.ok(LIB, LIB.bsattn_bench_run_backward(plan.h, *args, benchlib.stream()))
     torch.cuda.synchronize()
     plan.check()
-    t = buffer[OFFSET:].view(BWD_CTAS, 2, BWD_STEPS, len(EVENTS)).cpu().long()
+    t = buffer[OFFSET:].view(BWD_CTAS, 2, 4, BWD_STEPS, len(EVENTS)).cpu().long()
     report(shape, t)
 
 
 def report(shape, t):
-    print(f"\n{shape}: per step, median cycles (steady steps 2-62 of CTAs with 8+ steps; clock64 of each"
-          " consumer warpgroup's first thread)")
-    for wg in range(2):
-        periods, phases = [], [[] for _ in EVENTS]
-        for cta in range(BWD_CTAS):
-            rows = t[cta, wg]
-            steps = int((rows[:, 0] > 0).sum())
-            if steps < 8:
-                continue
-            for i in range(2, steps - 1):
-                r, nxt = rows[i], rows[i + 1]
-                if (r <= 0).any():
-                    continue
-                periods.append(int(nxt[0] - r[0]))
-                for e in range(len(EVENTS)):
-                    end = nxt[0] if e + 1 == len(EVENTS) else r[e + 1]
-                    phases[e].append(int(end - r[e]))
-        if not periods:
-            print(f"  warpgroup {wg}: no steady steps recorded")
+    """t: [cta, warpgroup, warp, step, event] clock64. Per steady step (the third on, CTAs with 8+
+    steps), each warp's events relative to the step's start (the first warp whose stage landed):
+    the median over steps, one column per warp; and the step period."""
+    rel = [[[] for _ in range(8)] for _ in EVENTS]
+    periods = []
+    for cta in range(BWD_CTAS):
+        rows = t[cta].reshape(8, BWD_STEPS, len(EVENTS))
+        steps = int((rows[:, :, 0] > 0).all(0).sum())
+        if steps < 8:
             continue
-        period = statistics.median(periods)
-        print(f"  warpgroup {wg}: step period {period:.0f} cycles ({len(periods)} steps)")
-        for e, name in enumerate(EVENTS):
-            m = statistics.median(phases[e])
-            nxt = EVENTS[(e + 1) % len(EVENTS)] + (" (next step)" if e + 1 == len(EVENTS) else "")
-            print(f"    {name:>13s} -> {nxt:<26s} {m:7.0f}  {100 * m / period:5.1f} %")
+        for i in range(2, steps - 1):
+            step, nxt = rows[:, i], rows[:, i + 1]
+            if (step <= 0).any():
+                continue
+            t0 = int(step[:, 0].min())
+            periods.append(int(nxt[:, 0].min()) - t0)
+            for e in range(len(EVENTS)):
+                for w in range(8):
+                    rel[e][w].append(int(step[w, e]) - t0)
+    if not periods:
+        print(f"\n{shape}: no steady steps recorded")
+        return
+    period = statistics.median(periods)
+    print(f"\n{shape}: step period {period:.0f} cycles (median of {len(periods)} steady steps); median cycles"
+          " from the step's start to each event, per consumer warp (warpgroup.warp)")
+    print(f"  {'event':>13s}" + "".join(f"{f'{w // 4}.{w % 4}':>7s}" for w in range(8)))
+    for e, name in enumerate(EVENTS):
+        print(f"  {name:>13s}" + "".join(f"{statistics.median(rel[e][w]):7.0f}" for w in range(8)))
 
 
 for shape in sys.argv[2:] or ["causal", "rand0.25"]:

@@ -157,14 +157,17 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // S and dP (kOwnRows: S^T = K Q^T and dP^T = V dO^T).
     Tensor tSrS = partition_fragment_C(mma_sdp, ScoreShape{});
     Tensor tdPrdP = partition_fragment_C(mma_sdp, ScoreShape{});
+    mark(fwd::kBwdSetupDone);
     if constexpr (T::kOwnRows) {
       wg_gemm<true, false>(mma_sdp, ops_sdp.partition_fragment_A(sK),
                            ops_sdp.partition_fragment_B(sQ)(_, _, _, stage), tSrS);
+      mark(fwd::kBwdSIssued);
       wg_gemm<true, false>(mma_sdp, ops_sdp.partition_fragment_A(sV),
                            ops_sdp.partition_fragment_B(sdO)(_, _, _, stage), tdPrdP);
     } else {
       wg_gemm<true, false>(mma_sdp, ops_sdp.partition_fragment_A(sQ)(_, _, _, stage),
                            ops_sdp.partition_fragment_B(sK), tSrS);
+      mark(fwd::kBwdSIssued);
       wg_gemm<true, false>(mma_sdp, ops_sdp.partition_fragment_A(sdO)(_, _, _, stage),
                            ops_sdp.partition_fragment_B(sV), tdPrdP);
     }

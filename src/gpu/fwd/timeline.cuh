@@ -7,8 +7,8 @@
 // kTimelineSlots x {globaltimer, clock64}, the forward kernel's CTAs, then route preparation's
 // blocks; then a third of kTimelineCtas x kTimelineTiles x {start, end, item | count << 32}, each
 // CTA's tiles (consumer warpgroup 0), for load balance and tails; then a fourth for the backward
-// kernel (bwd/kernel.cuh): kBwdTimelineCtas x 2 consumer warpgroups x kBwdTimelineSteps x
-// kBwdEvents clock64 values, the phases of each of a CTA's first steps
+// kernel (bwd/kernel.cuh): kBwdTimelineCtas x 2 consumer warpgroups x 4 warps x kBwdTimelineSteps
+// x kBwdEvents clock64 values, the phases of each of a CTA's first steps
 // (bench/gpu/backward_timeline.py). In a normal build the marks are no code.
 #pragma once
 #include <cstdint>
@@ -39,10 +39,12 @@ enum PrepareEvent : int { kPrepareEntry = 0, kPrepareRowOpen, kPrepareCounted, k
 constexpr int kTimelineCtas = 1024;
 constexpr int kTimelineTiles = 64;  // tiles recorded per CTA
 constexpr std::size_t kTimelineRegionWords = static_cast<std::size_t>(kTimelineCtas) * kTimelineSlots * 2;
-// The backward's step phases (consumer warpgroup leaders), in the order a step passes them.
+// The backward's step phases (each consumer warp's first lane), in the order a step passes them.
 enum BackwardEvent : int {
   kBwdStageFull = 0,   // the step's stage has landed and its record is read
-  kBwdScoresIssued,    // S and dP GEMMs issued
+  kBwdSetupDone,       // the step's views and flags computed: the first S wgmma is next
+  kBwdSIssued,         // S GEMM issued
+  kBwdScoresIssued,    // dP GEMM issued
   kBwdScoresDone,      // S complete
   kBwdDvIssued,        // P computed (mask, exp2) and dV issued (or P stored)
   kBwdDpDone,          // dP complete
@@ -81,13 +83,13 @@ __device__ __forceinline__ void timeline_tile(std::uint64_t* buffer, int t, bool
     at[2] = static_cast<std::uint32_t>(item) | (static_cast<std::uint64_t>(count) << 32);
   }
 }
-// Event `event` of step `step` of a backward consumer warpgroup (its first thread records).
+// Event `event` of step `step` of a backward consumer warp (its first lane records).
 __device__ __forceinline__ void timeline_step(std::uint64_t* buffer, int step, int warpgroup, int event) {
-  if (!buffer || step >= kBwdTimelineSteps || threadIdx.x % 128 != 0) return;
+  if (!buffer || step >= kBwdTimelineSteps || threadIdx.x % 32 != 0) return;
   const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   if (cta >= kBwdTimelineCtas) return;
-  buffer[((static_cast<std::size_t>(cta) * 2 + warpgroup) * kBwdTimelineSteps + step) * kBwdEvents + event] =
-      static_cast<std::uint64_t>(clock64());
+  const std::size_t warp = (static_cast<std::size_t>(cta) * 2 + warpgroup) * 4 + (threadIdx.x / 32) % 4;
+  buffer[(warp * kBwdTimelineSteps + step) * kBwdEvents + event] = static_cast<std::uint64_t>(clock64());
 }
 // region 0: the forward kernel; 1: route preparation (the tiles follow both: timeline_tile).
 inline std::uint64_t* timeline_buffer(int region = 0) {
