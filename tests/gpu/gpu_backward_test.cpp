@@ -512,7 +512,9 @@ TEST(GpuBackwardHost, TiledDqLayout) {
           const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((e / 2) % 2);
           const int col = w * n + 2 * (t % 4) + 8 * (e / 4) + e % 2;
           const int pos = dq_tile_position(row, col, d);
-          ASSERT_EQ(pos, w * 64 * n + ((e / 4) * 128 + t) * 4 + e % 4) << "row " << row << " col " << col;
+          // Warp t / 32's values: one block of 16 n floats; in it, per 4 values, the 32 lanes in order.
+          ASSERT_EQ(pos, w * 64 * n + (t / 32) * 16 * n + ((e / 4) * 32 + t % 32) * 4 + e % 4)
+              << "row " << row << " col " << col;
           ++seen[pos];
         }
     for (int i = 0; i < 64 * d; ++i) ASSERT_EQ(seen[i], 1) << "position " << i;

@@ -1,11 +1,11 @@
 // dQ of one step: dQ = dS K (64 x D x kBlockN, from shared memory), added into the fp32
 // accumulator (dq_accum; tiled where steps start at multiples of 64, dq_tiles.hpp, else
 // [q_rows][Hq][D]; scaled and rounded by the conversion kernel in rows.cuh). Into the tiled
-// accumulator a dQ warpgroup stages its region in shared memory (T::kDqBulk: 16-byte stores in
-// fragment order, conflict-free) and one of its threads adds it with a single bulk reduction
+// accumulator each dQ warp stages its rows' block in shared memory (T::kDqBulk: 16-byte stores in
+// fragment order, conflict-free) and its first lane adds the block with one bulk reduction
 // (cp.reduce.async.bulk .add.f32, performed by the TMA unit), so the consumers issue no global
-// reductions and their registers are free as soon as they are stored; otherwise each thread adds
-// its values with vector reductions.
+// reductions, their registers are free as soon as they are stored, and no warp waits for another;
+// otherwise each thread adds its values with vector reductions.
 // Two orders:
 //  * default: vector reductions in whatever order the CTAs reach a row: fast, but the float sums
 //    of a dQ element differ from run to run in the last bits;
@@ -100,8 +100,11 @@ __device__ __forceinline__ void add_dq_rows(const Acc& acc, const Coords& c, con
   else add(std::false_type{});
 }
 
-// The thread of a dQ warpgroup that issues its bulk reductions (T::kDqBulk).
-__device__ __forceinline__ bool dq_bulk_leader(int dq_tid) { return dq_tid % 128 == 0; }
+// The thread of each dQ warp that issues the warp's bulk reductions (T::kDqBulk): a warp stages its
+// rows' block (dq_tiles.hpp) and adds it itself, so no warp waits for the others (one leader per
+// warpgroup made its warp the last of the four every step, and every wgmma waited for it:
+// bench/RESULTS.md, 2026-12-03 17:00).
+__device__ __forceinline__ bool dq_bulk_leader(int dq_tid) { return dq_tid % 32 == 0; }
 
 // Adds the step's completed dQ fragment into the fp32 accumulator: the tiled one (dq_tiles.hpp;
 // staged and bulk-added where T::kDqBulk) or the row-major one (add_dq_rows), in the deterministic
@@ -113,7 +116,7 @@ __device__ __forceinline__ void add_dq(const Acc& acc, typename T::SharedStorage
                                        const AttentionParams& a, const route::SeqInfo& si, int b, bool deterministic,
                                        bool record_done, int dq_tid) {
   constexpr int kHeadDim = T::kHeadDim, kThreads = 128 * T::kDqWarpgroups;
-  constexpr int kRegion = 64 * (kHeadDim / T::kDqWarpgroups);  // floats of a warpgroup's region
+  constexpr int kColumns = kHeadDim / T::kDqWarpgroups, kRegion = 64 * kColumns;  // a warpgroup's region
   typename T::MmaDQ mma;
   auto thr = mma.get_thread_slice(dq_tid);
   Tensor c = thr.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
@@ -127,10 +130,10 @@ __device__ __forceinline__ void add_dq(const Acc& acc, typename T::SharedStorage
   const int region = dq_tid / 128, lane = dq_tid % 128;
   if constexpr (T::kDqBulk) {
     if (bulk) {
-      float* staged = st.dq.data + region * kRegion + lane * 4;
+      float* staged = st.dq.data + region * kRegion + dq_fragment_offset(lane, 0, kColumns);
       CUTE_UNROLL
       for (int j = 0; j < size(acc) / 4; ++j)
-        *reinterpret_cast<float4*>(staged + j * 512) = make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+        *reinterpret_cast<float4*>(staged + j * 128) = make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
       cutlass::arch::fence_view_async_shared();  // the stores before the bulk reduction reads them
     }
   }
@@ -144,19 +147,20 @@ __device__ __forceinline__ void add_dq(const Acc& acc, typename T::SharedStorage
     }
     fwd::barrier_sync(kDqOrderBarrier, kThreads);
   } else if (bulk) {
-    fwd::barrier_sync(kDqStagedBarrier + region, 128);
+    __syncwarp();  // the warp's staged block, fenced by each lane, before its leader's reduction
   }
   if (tiled) {
     const std::int64_t tile = (dq_padded_start(p, b) + step.q0) / 64;
     float* dst = ws.dq_accum + dq_tile_offset(ws.geometry.dq_tiles, step.head, tile, kHeadDim) + region * kRegion;
     if constexpr (T::kDqBulk) {
-      if (dq_bulk_leader(dq_tid)) bulk_reduce_add(dst, st.dq.data + region * kRegion, kRegion * 4);
+      const int block = dq_fragment_offset(lane, 0, kColumns) - (lane % 32) * 4;  // the warp's block
+      if (dq_bulk_leader(dq_tid)) bulk_reduce_add(dst + block, st.dq.data + region * kRegion + block, 16 * kColumns * 4);
     } else {
       // The fragment's values in order, 16 bytes per reduction, no predicates (rows past the
       // sequence hold zeros or are never converted: dq_tiles.hpp).
       CUTE_UNROLL
       for (int j = 0; j < size(acc) / 4; ++j)
-        red_add_v4(dst + (lane + j * 128) * 4, acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+        red_add_v4(dst + dq_fragment_offset(lane, j, kColumns), acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
     }
   } else {
     add_dq_rows<T>(acc, c, step, ws, packed_base, p, si);

@@ -9,7 +9,8 @@
 // A tile: kDqWarpgroups regions (the warpgroups split D), each 64 rows x N = D / kDqWarpgroups
 // columns; value e of thread t of a region's warpgroup (the SM90 64 x N fp32 accumulator: warp
 // t / 32 holds rows 16 (t / 32) + [0, 16), lane l rows l / 4 and l / 4 + 8, columns 8 n + 2 (l % 4)
-// and + 1) sits at ((e / 4) * 128 + t) * 4 + e % 4. Tiles of a sequence are consecutive from its
+// and + 1) sits at dq_fragment_offset(t, e / 4, N) + e % 4: each warp's values are one contiguous
+// block of 16 N floats (its rows), so each warp adds its block with one bulk reduction. Tiles of a sequence are consecutive from its
 // padded first row (batched: b * ceil(Sq / 64) * 64; varlen: (cu_seqlens[b] + 64 b) rounded down
 // to a multiple of 64, which keeps sequences apart).
 #pragma once
@@ -42,13 +43,18 @@ BSATTN_HD std::int64_t dq_tile_offset(std::int64_t tiles_per_head, int h, std::i
   return (h * tiles_per_head + tile) * 64 * head_dim;
 }
 
+// Offset (floats) within a region of thread t's values 4 j .. 4 j + 3 (N columns per region): the
+// warp's block, then for each j the warp's 32 lanes, 16 bytes each (a warp's 16-byte stores of one
+// j cover 512 contiguous bytes: no bank conflicts).
+BSATTN_HD constexpr int dq_fragment_offset(int t, int j, int n) { return (t / 32) * 16 * n + (j * 32 + t % 32) * 4; }
+
 // Offset within a tile of (row, column).
 BSATTN_HD int dq_tile_position(int row, int col, int head_dim) {
   const int n = head_dim / dq_warpgroups(head_dim);  // columns per region
   const int region = col / n, c = col % n;
   const int t = (row / 16) * 32 + (row % 8) * 4 + (c % 8) / 2;
   const int e = (c % 2) + 2 * ((row % 16) / 8) + 4 * (c / 8);
-  return region * 64 * n + ((e / 4) * 128 + t) * 4 + e % 4;
+  return region * 64 * n + dq_fragment_offset(t, e / 4, n) + e % 4;
 }
 
 }  // namespace bsattn::gpu::bwd

@@ -26,8 +26,8 @@ using fwd::cp_async_4;
 using fwd::wg_gemm;
 
 // Named barriers (hardware ids; 0 is __syncthreads): both consumers' P and dS of a step; the dQ
-// warpgroups' route order (deterministic mode); 3 + w: dQ warpgroup w's staged dQ.
-constexpr int kStepBarrier = 1, kDqOrderBarrier = 2, kDqStagedBarrier = 3;
+// warpgroups' route order (deterministic mode).
+constexpr int kStepBarrier = 1, kDqOrderBarrier = 2;
 
 // A shared-memory array that may be empty (no bytes, no alignment padding).
 template <class E, int N>
