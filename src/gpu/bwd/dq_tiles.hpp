@@ -10,9 +10,9 @@
 // columns; value e of thread t of a region's warpgroup (the SM90 64 x N fp32 accumulator: warp
 // t / 32 holds rows 16 (t / 32) + [0, 16), lane l rows l / 4 and l / 4 + 8, columns 8 n + 2 (l % 4)
 // and + 1) sits at dq_fragment_offset(t, e / 4, N) + e % 4: each warp's values are one contiguous
-// block of 16 N floats (its rows), so each warp adds its block with one bulk reduction. Tiles of a sequence are consecutive from its
-// padded first row (batched: b * ceil(Sq / 64) * 64; varlen: (cu_seqlens[b] + 64 b) rounded down
-// to a multiple of 64, which keeps sequences apart).
+// block of 16 N floats (its rows), so each warp adds its block with one bulk reduction. Tiles of a
+// sequence are consecutive from its padded first row (batched: b * ceil(Sq / 64) * 64; varlen:
+// (cu_seqlens[b] + 64 b) rounded down to a multiple of 64, which keeps sequences apart).
 #pragma once
 #include <cstdint>
 

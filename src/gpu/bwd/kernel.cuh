@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       wg_gemm<true, false>(mma_sdp, ops_sdp.partition_fragment_A(sdO)(_, _, _, stage),
                            ops_sdp.partition_fragment_B(sV), tdPrdP);
     }
-    mark(fwd::kBwdScoresIssued);
+    mark(fwd::kBwdDpIssued);
     // S is complete (dP may still run): the route mask exactly as in the forward, P, and P out
     // (registers or shared memory) under the dP GEMM. The views below are (query row, KV column)
     // in either orientation.

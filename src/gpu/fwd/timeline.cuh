@@ -44,7 +44,7 @@ enum BackwardEvent : int {
   kBwdStageFull = 0,   // the step's stage has landed and its record is read
   kBwdSetupDone,       // the step's views and flags computed: the first S wgmma is next
   kBwdSIssued,         // S GEMM issued
-  kBwdScoresIssued,    // dP GEMM issued
+  kBwdDpIssued,        // dP GEMM issued
   kBwdScoresDone,      // S complete
   kBwdDvIssued,        // P computed (mask, exp2) and dV issued (or P stored)
   kBwdDpDone,          // dP complete
