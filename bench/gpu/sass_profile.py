@@ -29,48 +29,45 @@ import re
 import sys
 
 
-def read(path):
-    """Rows of the source page: (address, opcode, source text, executed, samples)."""
+def num(x):
+    try:
+        return float(x.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def opcode(src):
+    """The opcode with its modifiers, a predicate stripped: "@!P0 LDS.64 ..." -> "LDS.64"."""
+    return re.sub(r"^@!?U?P\w+\s+", "", src.strip()).split(" ")[0]
+
+
+def page_rows(path):
+    """({column name: index}, the instruction rows) of a source page."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
-    col = {h: i for i, h in enumerate(rows[head])}
+    return {h: i for i, h in enumerate(rows[head])}, [r for r in rows[head + 1:] if len(r) == len(rows[head])]
 
-    def num(x):
-        try:
-            return float(x.replace(",", ""))
-        except ValueError:
-            return 0.0
 
-    out = []
-    for r in rows[head + 1:]:
-        if len(r) != len(rows[head]):
-            continue
-        src = r[col["Source"]].strip()
-        op = re.sub(r"^@!?U?P\w+\s+", "", src).split(" ")[0]
-        out.append((r[0], op, src, num(r[col["Instructions Executed"]]),
-                    num(r[col["Warp Stall Sampling (All Samples)"]])))
-    return out
+def read(path):
+    """Rows of the source page: (address, opcode, source text, executed, samples)."""
+    col, rows = page_rows(path)
+    return [(r[0], opcode(r[col["Source"]]), r[col["Source"]].strip(), num(r[col["Instructions Executed"]]),
+             num(r[col["Warp Stall Sampling (All Samples)"]])) for r in rows]
 
 
 def shared_wavefronts(path):
     """{opcode with modifiers: (wavefronts, executed)} from the "L1 Wavefronts Shared" column ({}
     when the page has none)."""
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
-    col = {h: i for i, h in enumerate(rows[head])}
+    col, rows = page_rows(path)
     if "L1 Wavefronts Shared" not in col:
         return {}
     acc = collections.defaultdict(lambda: [0.0, 0.0])
-    for r in rows[head + 1:]:
-        if len(r) != len(rows[head]):
-            continue
-        w = float(r[col["L1 Wavefronts Shared"]].replace(",", "") or 0)
+    for r in rows:
+        w = num(r[col["L1 Wavefronts Shared"]])
         if w > 0:
-            op = re.sub(r"^@!?U?P\w+\s+", "", r[col["Source"]].strip()).split(" ")[0]
-            acc[op][0] += w
-            acc[op][1] += float(r[col["Instructions Executed"]].replace(",", "") or 0)
+            acc[opcode(r[col["Source"]])][0] += w
+            acc[opcode(r[col["Source"]])][1] += num(r[col["Instructions Executed"]])
     return dict(acc)
 
 
