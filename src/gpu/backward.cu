@@ -111,7 +111,8 @@ cudaError_t run_backward(const BackwardParams& g, const BackwardWorkspace& ws, c
     e = cudaMemsetAsync(ws.semaphores, 0, static_cast<std::size_t>(geo.semaphores) * sizeof(std::int32_t), stream);
   if (e != cudaSuccess) return e;
   if (q_values > 0) {
-    bwd::preprocess_kernel<<<static_cast<unsigned>((q_values + bwd::kRowWarps - 1) / bwd::kRowWarps),
+    const std::int64_t rows_per_block = 32 * bwd::kRowWarps / bwd::preprocess_lanes(geo.head_dim);
+    bwd::preprocess_kernel<<<static_cast<unsigned>((q_values + rows_per_block - 1) / rows_per_block),
                              32 * bwd::kRowWarps, 0, stream>>>(g, geo.q_rows, ws.lse_log2, ws.delta);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
   }

@@ -31,24 +31,50 @@ __device__ __forceinline__ PackedRow packed_row(const route::RouteParams& p, std
 
 constexpr int kRowWarps = 8;
 
-// One warp per (packed row, head): delta[h][row] = rowsum(dO * O) - dLSE, lse_log2[h][row] =
-// LSE * log2(e), or +inf for a row that attended nothing (LSE = -inf), so that its P is 0.
+// Lanes per (row, head) of the preprocessing: each reads 8 elements of O and dO at a time, so a
+// row takes D / 8 lanes, rounded down to a power of two (the shuffle reduction), at most a warp; a
+// warp serves 32 / lanes rows.
+BSATTN_HD constexpr int preprocess_lanes(int head_dim) {
+  int lanes = 1;
+  while (lanes < 32 && 16 * lanes <= head_dim) lanes *= 2;
+  return lanes;
+}
+
+// delta[h][row] = rowsum(dO * O) - dLSE, lse_log2[h][row] = LSE * log2(e), or +inf for a row that
+// attended nothing (LSE = -inf), so that its P is 0. A group of preprocess_lanes(D) lanes per
+// (packed row, head), 16-byte loads where O's and dO's rows allow them (bound by DRAM: one read
+// of O and dO).
 __global__ void __launch_bounds__(32 * kRowWarps)
     preprocess_kernel(const BackwardParams g, std::int64_t q_rows, float* lse_log2, float* delta) {
-  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
   const AttentionParams& a = g.fwd;
+  const int lanes = preprocess_lanes(a.head_dim), lane = threadIdx.x % lanes;
+  const std::int64_t item = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
   const int heads = a.route.heads_q;
-  if (item >= q_rows * heads) return;
-  const int h = static_cast<int>(item % heads);
-  const std::int64_t row = item / heads;
-  const PackedRow r = packed_row(a.route, row);
-  const std::int64_t o = a.out_offset(r.b, r.si, r.q, h), d_o = g.q_like_offset(g.dout_strides, r.b, r.si, r.q, h);
+  const bool in = item < q_rows * heads;  // out-of-range lanes still take part in the shuffles
   float sum = 0.0f;
-  for (int i = threadIdx.x % 32; i < a.head_dim; i += 32)
-    sum += load_element(a.out, o + i, a.out_type) * load_element(g.dout, d_o + i, a.out_type);
+  int h = 0;
+  std::int64_t row = 0;
+  PackedRow r{};
+  if (in) {
+    h = static_cast<int>(item % heads);
+    row = item / heads;
+    r = packed_row(a.route, row);
+    const std::int64_t o = a.out_offset(r.b, r.si, r.q, h), d_o = g.q_like_offset(g.dout_strides, r.b, r.si, r.q, h);
+    if (a.head_dim % 8 == 0 && vector_aligned(a.out, o, a.out_type) && vector_aligned(g.dout, d_o, a.out_type)) {
+      for (int i = 8 * lane; i < a.head_dim; i += 8 * lanes) {
+        float x[8], y[8];
+        load_elements8(a.out, o + i, a.out_type, x);
+        load_elements8(g.dout, d_o + i, a.out_type, y);
 #pragma unroll
-  for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
-  if (threadIdx.x % 32 == 0) {
+        for (int k = 0; k < 8; ++k) sum += x[k] * y[k];
+      }
+    } else {
+      for (int i = lane; i < a.head_dim; i += lanes)
+        sum += load_element(a.out, o + i, a.out_type) * load_element(g.dout, d_o + i, a.out_type);
+    }
+  }
+  for (int m = lanes / 2; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+  if (in && lane == 0) {
     const float lse = a.lse[a.lse_offset(r.b, r.si, r.q, h)];
     if (g.dlse) sum -= g.dlse[g.dlse_offset(r.b, r.si, r.q, h)];
     delta[h * q_rows + row] = sum;
@@ -114,7 +140,13 @@ __global__ void convert_dq_kernel(const BackwardParams g, std::int64_t q_rows, s
       x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) store_element(g.dq, dst + i, g.dq_type, x[i] * a.scale);
+    for (int i = 0; i < 8; ++i) x[i] *= a.scale;
+    if (vector_aligned(g.dq, dst, g.dq_type)) {
+      store_elements8(g.dq, dst, g.dq_type, x);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) store_element(g.dq, dst + i, g.dq_type, x[i]);
+    }
   }
 }
 
