@@ -135,9 +135,7 @@ __global__ void convert_dq_kernel(const BackwardParams g, std::int64_t q_rows, s
     if (tiles_per_head > 0) {
       load_tiled_dq(a.route, tiles_per_head, dq_accum, rh / heads, h, col, d, x);
     } else {
-      const float4* src = reinterpret_cast<const float4*>(dq_accum + rh * d + col);
-      const float4 lo = src[0], hi = src[1];
-      x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+      load_elements8(dq_accum, rh * d + col, ElementType::f32, x);
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) x[i] *= a.scale;
