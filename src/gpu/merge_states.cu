@@ -1,26 +1,31 @@
 // merge_states on the GPU: a pure stream. Per (row, head) it reads N rows of D elements and N
 // LSEs and writes one row and one LSE: the DRAM traffic of a copy, so the ceiling is the device's
 // copy bandwidth (4.21 TB/s on the H200) counted as bytes read + written. The LSEs add 4 bytes per
-// part and (row, head), 1.5 % of a bf16 row of D = 128, and neighbouring work items take
-// neighbouring tokens, so their LSE loads share sectors. Little's law at 4.2 TB/s and ~1 us of
-// loaded DRAM latency wants ~32 KB in flight per SM. Each thread loads 8 (part, item) O packs and
-// their LSEs before using any: 2 parts of 4 items when N <= 2, 4 of 2 when N <= 4, else 8 parts
-// of one item; with 512 resident threads per SM (2 blocks of 256, at most 128 registers) that is
-// 64 KB in flight on the 16-byte path. (Until 2026-12-01 a thread held one item, so a merge of two
-// parts had 32 bytes per thread in flight: 30-58 % of the ceiling measured.) Large merges should
-// so run at 85-95 % of the ceiling; a decode step's merge (B * H = 1024 items, a few MB) is bound
-// by the launch and one DRAM latency per eight parts.
+// part and (row, head), 1.5 % of a bf16 row of D = 128. Neighbouring work items take neighbouring
+// rows of O (heads fastest in a [B, S, H, D] layout, tokens in [B, H, S, D]).
 //
 // Work layout: a group of `lanes` threads (a power of two, at most a warp) per item (row, head),
-// each lane moving packs of `kBytes` along D: 16 when every row start allows it, else 8, 4 or one
+// each lane moving packs of 16 bytes along D when every row start allows it, else 8, 4 or one
 // element. The parts are merged in one pass (merge::Accumulator), in part order like the CPU loop.
+// Each thread loads 8 (part, item, pack) O packs and their LSEs before using any, and a lane does
+// its item's per-row work (place, LSEs, weights, division, logarithm) itself:
+//  * large merges (at least a wave of resident threads): 4 packs of one item per lane, parts in
+//    chunks of 2. Measured on the H200 (2026-12-03, bench/gpu/bench_merge.py, N = 2 to 8): 70-75 %
+//    of the copy ceiling in bf16 (91 % f32), against 33-36 % with a pack per lane, where the 16
+//    lanes of a D 128 bf16 row each repeated the row's work: ~1,800 instructions per warp for
+//    4 KB moved, issue-bound at 16 resident warps per SM (Nsight Compute);
+//  * decode merges (B * H = 1024 items, a few MB): a pack per lane, so that more threads share the
+//    few items: 2 parts of 4 items when N <= 2, 4 of 2 when N <= 4, else 8 parts of one item. They
+//    are bound by the launch and one DRAM latency per eight parts.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
+#include "gpu/device_info.hpp"
 #include "gpu/merge_states.hpp"
 
 namespace bsattn::gpu {
@@ -72,13 +77,20 @@ struct Item {
   int b = 0, s = 0, h = 0;
 };
 
-__device__ __forceinline__ Item locate(const merge::MergeParams& p, std::int64_t item) {
+// Items are numbered with heads or tokens fastest, whichever steps the result's O less, so that
+// neighbouring items (a CTA's, and the CTAs resident together) read and write neighbouring rows.
+__device__ __forceinline__ Item locate(const merge::MergeParams& p, std::int64_t item, bool heads_fastest) {
   Item it;
   it.active = item < p.items();
   if (!it.active) return it;
-  std::int64_t bh = 0, b = 0, s = 0, h = 0;
-  divmod(item, p.tokens, bh, s);  // tokens fastest: neighbouring items read neighbouring LSEs
-  divmod(bh, p.heads, b, h);
+  std::int64_t outer = 0, b = 0, s = 0, h = 0;
+  if (heads_fastest) {
+    divmod(item, p.heads, outer, h);
+    divmod(outer, p.tokens, b, s);
+  } else {
+    divmod(item, p.tokens, outer, s);
+    divmod(outer, p.heads, b, h);
+  }
   it.b = static_cast<int>(b);
   it.s = static_cast<int>(s);
   it.h = static_cast<int>(h);
@@ -86,32 +98,38 @@ __device__ __forceinline__ Item locate(const merge::MergeParams& p, std::int64_t
 }
 
 // A group of `lanes` threads merges kItems items (kThreads / lanes apart: each step of k covers
-// consecutive items), loading the LSEs and O packs of kParts parts of every item before using
-// them: kItems * kParts = 8 loads of up to 16 bytes in flight per thread. With several items the
-// kernel is launched only for N <= kParts: one chunk of parts. Parts and result of type T.
-template <class T, int kElems, int kParts, int kItems>
-__global__ void __launch_bounds__(kThreads, 2) merge_states_kernel(const merge::MergeParams p, int lanes_log2) {
+// consecutive items); each lane holds kPacks packs of an item, `lanes` packs apart, so that one
+// load instruction of the group reads consecutive packs. The LSEs and O packs of kParts parts of
+// every item are loaded before any is used: kItems * kParts * kPacks loads of up to 16 bytes in
+// flight per thread. With several items the kernel is launched only for N <= kParts: one chunk of
+// parts. Parts and result of type T.
+template <class T, int kElems, int kParts, int kItems, int kPacks>
+__global__ void __launch_bounds__(kThreads, 2) merge_states_kernel(const merge::MergeParams p, int lanes_log2,
+                                                                   bool heads_fastest) {
   using Vec = Pack<T, kElems>;
   const int lanes = 1 << lanes_log2, groups = kThreads >> lanes_log2;
   const int lane = threadIdx.x & (lanes - 1);
   Item items[kItems];
 #pragma unroll
   for (int k = 0; k < kItems; ++k)
-    items[k] = locate(p, (static_cast<std::int64_t>(blockIdx.x) * kItems + k) * groups + (threadIdx.x >> lanes_log2));
+    items[k] = locate(p, (static_cast<std::int64_t>(blockIdx.x) * kItems + k) * groups + (threadIdx.x >> lanes_log2),
+                      heads_fastest);
   merge::Accumulator a[kItems];
   const int chunks_end = kItems > 1 ? kParts : p.parts;  // a constant trip count of one with several items
   // Every lane passes through the part loop at least once (D = 0 included) for the LSE.
   const int packs = max(p.head_dim / kElems, 1);
-  for (int v = lane; v < packs; v += lanes) {
-    const bool has_pack = v * kElems < p.head_dim;
-    float acc[kItems][kElems] = {};
+  for (int v0 = lane; v0 < packs; v0 += lanes * kPacks) {
+    bool has_pack[kPacks];
+#pragma unroll
+    for (int q = 0; q < kPacks; ++q) has_pack[q] = (v0 + q * lanes) * kElems < p.head_dim;
+    float acc[kItems][kPacks][kElems] = {};
 #pragma unroll
     for (int k = 0; k < kItems; ++k) a[k] = merge::Accumulator{};
     for (int i0 = 0; i0 < chunks_end; i0 += kParts) {
       // The LSEs and O packs of a chunk of parts of every item are loaded together (an empty
       // part's O too: it is read but never used), so one memory latency covers them all.
       float lse[kItems][kParts];
-      Vec x[kItems][kParts];
+      Vec x[kItems][kParts][kPacks];
 #pragma unroll
       for (int k = 0; k < kItems; ++k)
 #pragma unroll
@@ -119,9 +137,11 @@ __global__ void __launch_bounds__(kThreads, 2) merge_states_kernel(const merge::
           const int i = i0 + j;
           if (!items[k].active || i >= p.parts) continue;
           lse[k][j] = p.part_lse(i, items[k].b, items[k].s, items[k].h);
-          if (has_pack)
-            x[k][j] = reinterpret_cast<const Vec*>(static_cast<const T*>(p.part(i).out) +
-                                                   p.part_out_offset(i, items[k].b, items[k].s, items[k].h))[v];
+          const Vec* row = reinterpret_cast<const Vec*>(static_cast<const T*>(p.part(i).out) +
+                                                        p.part_out_offset(i, items[k].b, items[k].s, items[k].h));
+#pragma unroll
+          for (int q = 0; q < kPacks; ++q)
+            if (has_pack[q]) x[k][j][q] = row[v0 + q * lanes];
         }
       const bool last_chunk = i0 + kParts >= p.parts;
 #pragma unroll
@@ -134,23 +154,33 @@ __global__ void __launch_bounds__(kThreads, 2) merge_states_kernel(const merge::
           const float rescale = a[k].add(lse[k][j], weight);
           if (rescale != 1.0f)
 #pragma unroll
-            for (int e = 0; e < kElems; ++e) acc[k][e] *= rescale;
-          if (weight != 0.0f && has_pack)
+            for (int q = 0; q < kPacks; ++q)
 #pragma unroll
-            for (int e = 0; e < kElems; ++e) acc[k][e] += weight * to_float(x[k][j].e[e]);
+              for (int e = 0; e < kElems; ++e) acc[k][q][e] *= rescale;
+          if (weight != 0.0f)
+#pragma unroll
+            for (int q = 0; q < kPacks; ++q)
+              if (has_pack[q])
+#pragma unroll
+                for (int e = 0; e < kElems; ++e) acc[k][q][e] += weight * to_float(x[k][j][q].e[e]);
         }
         // The last chunk finishes the item at once (its accumulator is dead after the store).
-        if (last_chunk && has_pack) {
+        if (last_chunk) {
           const float inv_sum = a[k].inv_sum();
-          Vec y;
+          Vec* row = reinterpret_cast<Vec*>(static_cast<T*>(p.result.out) +
+                                            p.result.out_offset(items[k].b, items[k].s, items[k].h));
 #pragma unroll
-          for (int e = 0; e < kElems; ++e) y.e[e] = from_float<T>(acc[k][e] * inv_sum);
-          reinterpret_cast<Vec*>(static_cast<T*>(p.result.out) +
-                                       p.result.out_offset(items[k].b, items[k].s, items[k].h))[v] = y;
+          for (int q = 0; q < kPacks; ++q)
+            if (has_pack[q]) {
+              Vec y;
+#pragma unroll
+              for (int e = 0; e < kElems; ++e) y.e[e] = from_float<T>(acc[k][q][e] * inv_sum);
+              row[v0 + q * lanes] = y;
+            }
         }
       }
     }
-    if (!has_pack) break;
+    if (!has_pack[0]) break;
   }
   // In place the output LSE may be a part's: every lane of the item has read it before this.
   // Groups never straddle a warp, and every lane of the warp gets here.
@@ -182,29 +212,47 @@ int pack_elements(const merge::MergeParams& p, int element_bytes) {
   return elements;
 }
 
+// A lane holds kWidePacks packs of an item when that still fills the device with one wave of
+// resident threads (2 CTAs per SM), so that an item's per-row work (its place, LSEs, weights, the
+// division and the logarithm) is shared by 4x fewer lanes; smaller merges (decode) give a lane one
+// pack, so that more threads share the few items.
+constexpr int kWidePacks = 4;
+constexpr int kResidentThreadsPerSm = 2 * kThreads;
+
 template <class T>
 cudaError_t launch(const merge::MergeParams& p, cudaStream_t stream) {
   const int elements = pack_elements(p, sizeof(T));
   const int packs = p.head_dim / elements;
-  int lanes_log2 = 0;
-  while ((1 << lanes_log2) < packs && lanes_log2 < 5) ++lanes_log2;
+  const auto lanes_log2_for = [&](int packs_per_lane) {
+    int log2 = 0;
+    while ((1 << log2) * packs_per_lane < packs && log2 < 5) ++log2;
+    return log2;
+  };
+  const int wide_lanes_log2 = lanes_log2_for(kWidePacks);
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const bool wide = p.items() * (std::int64_t(1) << wide_lanes_log2) >=
+                    std::int64_t(multiprocessors(device)) * kResidentThreadsPerSm;
+  const int lanes_log2 = wide ? wide_lanes_log2 : lanes_log2_for(1);
   const int groups = kThreads >> lanes_log2;
-  // Eight (part, item) loads in flight per thread whatever the number of parts.
+  const bool heads_fastest = std::abs(p.result.out_head_stride) <= std::abs(p.result.out_token_stride);
+  // Eight (part, item, pack) loads in flight per thread whatever the number of parts.
   const auto run = [&](auto kernel, int items_per_group) {
     const std::int64_t blocks = (p.items() + std::int64_t(groups) * items_per_group - 1) / (std::int64_t(groups) * items_per_group);
     if (blocks > 0x7fffffff) return false;
 #if defined(BSATTN_GPU_HOST_EMULATION)  // tests/gpu/emulation: the kernel's logic on the host
-    emulate_launch(kernel, dim3(static_cast<unsigned>(blocks)), kThreads, 0, p, lanes_log2);
+    emulate_launch(kernel, dim3(static_cast<unsigned>(blocks)), kThreads, 0, p, lanes_log2, heads_fastest);
 #else
-    kernel<<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, stream>>>(p, lanes_log2);
+    kernel<<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, stream>>>(p, lanes_log2, heads_fastest);
 #endif
     return true;
   };
   const auto run_width = [&](auto width) {
     constexpr int kElems = decltype(width)::value;
-    if (p.parts <= 2) return run(merge_states_kernel<T, kElems, 2, 4>, 4);
-    if (p.parts <= 4) return run(merge_states_kernel<T, kElems, 4, 2>, 2);
-    return run(merge_states_kernel<T, kElems, 8, 1>, 1);
+    if (wide) return run(merge_states_kernel<T, kElems, 2, 1, kWidePacks>, 1);
+    if (p.parts <= 2) return run(merge_states_kernel<T, kElems, 2, 4, 1>, 4);
+    if (p.parts <= 4) return run(merge_states_kernel<T, kElems, 4, 2, 1>, 2);
+    return run(merge_states_kernel<T, kElems, 8, 1, 1>, 1);
   };
   bool launched = false;
   constexpr int kWidest = 16 / static_cast<int>(sizeof(T));

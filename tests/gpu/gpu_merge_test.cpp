@@ -275,5 +275,31 @@ TEST(GpuMerge, ServingShapes) {
   run_case(folded);
 }
 
+// Merges large enough that a lane holds several packs of an item (src/gpu/merge_states.cu: at
+// least one wave of resident threads; not D 64 at 16-byte packs, whose 2 lanes per item need twice
+// the items): odd D (packs a lane only partly has), narrow packs, chunks of parts cut short,
+// head-major parts, in place.
+TEST(GpuMerge, WideShapes) {
+  REQUIRE_SM90();
+  std::mt19937_64 rng(21);
+  int n = 0;
+  for (DType dtype : {DType::bf16, DType::f16, DType::f32})
+    for (int d : {128, 64, 256, 72, 130}) {
+      Spec s;
+      s.dtype = dtype;
+      s.head_dim = d;
+      s.varlen = true;
+      s.tokens = 4500 + static_cast<int>(rng() % 999);  // 18,000+ items: 4 lanes each fill 132 SMs
+      s.heads = 4;
+      s.parts = std::vector<int>{2, 3, 5}[n % 3];
+      s.stacked = s.parts != 2 || rng() % 2;
+      s.head_major = n % 4 == 1;
+      s.shift = n % 5 == 2 ? 1 : 0;
+      s.in_place = n % 6 == 3;
+      s.seed = 500 + n++;
+      run_case(s);
+    }
+}
+
 }  // namespace
 }  // namespace bsattn_gpu_test

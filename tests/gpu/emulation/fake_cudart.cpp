@@ -35,6 +35,10 @@ cudaError_t cudaGetDeviceProperties_v2(cudaDeviceProp* prop, int) {
 }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) { return cudaGetDeviceProperties_v2(prop, device); }
 const char* cudaGetErrorString(cudaError_t) { return "emulated CUDA error"; }
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+  *value = attr == cudaDevAttrMultiProcessorCount ? 132 : 0;  // an H200's
+  return cudaSuccess;
+}
 cudaError_t cudaGetDevice(int* device) {
   *device = 0;
   return cudaSuccess;

@@ -2,7 +2,7 @@
 # Runs the GPU selection and merge tests (tests/gpu/gpu_select_test.cpp, gpu_merge_test.cpp as they are)
 # without a GPU: the kernels' sources compiled for the host on cuda_emulation.hpp, a fake CUDA
 # runtime (fake_cudart.cpp: host memory, no streams), src/api/{select,merge}.cpp and
-# src/formats/validate.cpp compiled with the CUDA path on (device helpers stubbed; validation reads
+# src/formats/validate_values.cpp compiled with the CUDA path on (device helpers stubbed; validation reads
 # "device" metadata through the fake cudaMemcpy), the rest of the library from a CPU build's
 # libbsattn.a.
 #   tests/gpu/emulation/run_gpu_tests.sh <libbsattn.a of a CPU build> [gtest arguments]
@@ -20,7 +20,7 @@ flags=(-std=c++20 -O2 -ffp-contract=off -w -DBSATTN_WITH_CUDA=1 -DBSATTN_GPU_HOS
        -I"$here/stub" -I"$root/include" -I"$root/src" -I"$root/tests/cpu" -I"$root/tests/gpu" -I"$cuda_include")
 objects=()
 for src in "$here/select_kernel_emulated.cpp" "$here/merge_kernel_emulated.cpp" "$here/fake_cudart.cpp" \
-           "$root/src/api/select.cpp" "$root/src/api/merge.cpp" "$root/src/formats/validate.cpp" \
+           "$root/src/api/select.cpp" "$root/src/api/merge.cpp" "$root/src/formats/validate_values.cpp" \
            "$root/tests/cpu/oracle.cpp" \
            "$root/tests/gpu/gpu_select_test.cpp" "$root/tests/gpu/gpu_merge_test.cpp"; do
   object="$out/$(basename "${src%.*}").o"
