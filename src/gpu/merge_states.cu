@@ -6,14 +6,18 @@
 //
 // Work layout: a group of `lanes` threads (a power of two, at most a warp) per item (row, head),
 // each lane moving packs of 16 bytes along D when every row start allows it, else 8, 4 or one
-// element. The parts are merged in one pass (merge::Accumulator), in part order like the CPU loop.
-// Each thread loads 8 (part, item, pack) O packs and their LSEs before using any, and a lane does
-// its item's per-row work (place, LSEs, weights, division, logarithm) itself:
+// element. The parts are merged in one pass, in part order like the CPU loop, a chunk of them at a
+// time at the chunk's maximum LSE (one rescale of the accumulator per chunk; a merge of one chunk,
+// N <= 8 on decode merges and N <= 2 on large ones, normalises its weights before adding any O
+// and needs none): results differ from the CPU's part-by-part loop by rounding only. Each thread
+// loads 8 (part, item, pack) O packs and their LSEs before using any, and a lane does its item's
+// per-row work (place, LSEs, weights, division, logarithm) itself:
 //  * large merges (at least a wave of resident threads): 4 packs of one item per lane, parts in
 //    chunks of 2. Measured on the H200 (2026-12-03, bench/gpu/bench_merge.py, N = 2 to 8): 70-75 %
 //    of the copy ceiling in bf16 (91 % f32), against 33-36 % with a pack per lane, where the 16
 //    lanes of a D 128 bf16 row each repeated the row's work: ~1,800 instructions per warp for
-//    4 KB moved, issue-bound at 16 resident warps per SM (Nsight Compute);
+//    4 KB moved, issue-bound at 16 resident warps per SM (Nsight Compute); with the chunked
+//    weights (no rescale per part, no final pass on one chunk) 78-80 % (D 64: 68 %), f32 97 %;
 //  * decode merges (B * H = 1024 items, a few MB): a pack per lane, so that more threads share the
 //    few items: 2 parts of 4 items when N <= 2, 4 of 2 when N <= 4, else 8 parts of one item. They
 //    are bound by the launch and one DRAM latency per eight parts.
@@ -35,7 +39,11 @@ constexpr int kThreads = 256;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+// bf16 widened by its bits: with __bfloat162float the 16-byte kernels needed 124-128 registers
+// (52 bytes spilled on decode merges) against 100-114 this way, as f16's conversion does.
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+  return __uint_as_float(static_cast<unsigned>(__bfloat16_as_ushort(x)) << 16);
+}
 
 template <class T>
 __device__ __forceinline__ T from_float(float x);
@@ -143,30 +151,46 @@ __global__ void __launch_bounds__(kThreads, 2) merge_states_kernel(const merge::
           for (int q = 0; q < kPacks; ++q)
             if (has_pack[q]) x[k][j][q] = row[v0 + q * lanes];
         }
-      const bool last_chunk = i0 + kParts >= p.parts;
+      const bool last_chunk = kItems > 1 || i0 + kParts >= p.parts;  // several items: N <= kParts
+      // A merge in one chunk knows its sum before it adds any O: its weights are normalised at
+      // once and the accumulator needs no pass at the end.
+      const bool one_chunk = i0 == 0 && last_chunk;
 #pragma unroll
       for (int k = 0; k < kItems; ++k) {
         if (!items[k].active) continue;
+        // The chunk's parts are added at the chunk's maximum (merge::Accumulator::rebase with the
+        // exact exponential): one rescale of the accumulator per chunk, none for the first.
+        float chunk_max = a[k].max_lse;
+#pragma unroll
+        for (int j = 0; j < kParts; ++j)
+          if (i0 + j < p.parts) chunk_max = merge::Accumulator::max_of(chunk_max, lse[k][j]);
+        const float rescale = expf(a[k].max_lse - merge::Accumulator::base(chunk_max));
+        a[k].sum *= rescale;
+        a[k].max_lse = chunk_max;
+        if (i0 > 0 && rescale != 1.0f)
+#pragma unroll
+          for (int q = 0; q < kPacks; ++q)
+#pragma unroll
+            for (int e = 0; e < kElems; ++e) acc[k][q][e] *= rescale;
+        float weight[kParts];
 #pragma unroll
         for (int j = 0; j < kParts; ++j) {
-          if (i0 + j >= p.parts) break;
-          float weight;
-          const float rescale = a[k].add(lse[k][j], weight);
-          if (rescale != 1.0f)
+          weight[j] = i0 + j < p.parts ? expf(lse[k][j] - merge::Accumulator::base(chunk_max)) : 0.0f;
+          a[k].sum += weight[j];
+        }
+        const float inv_sum = a[k].inv_sum();
 #pragma unroll
-            for (int q = 0; q < kPacks; ++q)
-#pragma unroll
-              for (int e = 0; e < kElems; ++e) acc[k][q][e] *= rescale;
-          if (weight != 0.0f)
+        for (int j = 0; j < kParts; ++j)
+          if (weight[j] != 0.0f) {  // an empty part's O is never used
+            const float w = one_chunk ? weight[j] * inv_sum : weight[j];
 #pragma unroll
             for (int q = 0; q < kPacks; ++q)
               if (has_pack[q])
 #pragma unroll
-                for (int e = 0; e < kElems; ++e) acc[k][q][e] += weight * to_float(x[k][j][q].e[e]);
-        }
+                for (int e = 0; e < kElems; ++e) acc[k][q][e] += w * to_float(x[k][j][q].e[e]);
+          }
         // The last chunk finishes the item at once (its accumulator is dead after the store).
-        if (last_chunk) {
-          const float inv_sum = a[k].inv_sum();
+        const auto store = [&](auto normalised) {
           Vec* row = reinterpret_cast<Vec*>(static_cast<T*>(p.result.out) +
                                             p.result.out_offset(items[k].b, items[k].s, items[k].h));
 #pragma unroll
@@ -174,10 +198,15 @@ __global__ void __launch_bounds__(kThreads, 2) merge_states_kernel(const merge::
             if (has_pack[q]) {
               Vec y;
 #pragma unroll
-              for (int e = 0; e < kElems; ++e) y.e[e] = from_float<T>(acc[k][q][e] * inv_sum);
+              for (int e = 0; e < kElems; ++e)
+                y.e[e] = from_float<T>(decltype(normalised)::value ? acc[k][q][e] : acc[k][q][e] * inv_sum);
               row[v0 + q * lanes] = y;
             }
-        }
+        };
+        if (one_chunk)
+          store(std::true_type{});
+        else if (last_chunk)
+          store(std::false_type{});
       }
     }
     if (!has_pack[0]) break;

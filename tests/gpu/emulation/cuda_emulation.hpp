@@ -204,6 +204,11 @@ inline int __reduce_add_sync(unsigned, int value) {
   }));
 }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline float __uint_as_float(unsigned v) {
+  float f;
+  std::memcpy(&f, &v, sizeof f);
+  return f;
+}
 using std::max;
 using std::min;
 
