@@ -17,7 +17,8 @@
 //    of the copy ceiling in bf16 (91 % f32), against 33-36 % with a pack per lane, where the 16
 //    lanes of a D 128 bf16 row each repeated the row's work: ~1,800 instructions per warp for
 //    4 KB moved, issue-bound at 16 resident warps per SM (Nsight Compute); with the chunked
-//    weights (no rescale per part, no final pass on one chunk) 78-80 % (D 64: 68 %), f32 97 %;
+//    weights (no rescale per part, no final pass on one chunk) 78-80 %, and with bf16 widened by
+//    its bits (fewer registers) 89-92 % (D 64: 74 %), f32 97 %;
 //  * decode merges (B * H = 1024 items, a few MB): a pack per lane, so that more threads share the
 //    few items: 2 parts of 4 items when N <= 2, 4 of 2 when N <= 4, else 8 parts of one item. They
 //    are bound by the launch and one DRAM latency per eight parts.
@@ -30,6 +31,7 @@
 #include <type_traits>
 
 #include "gpu/device_info.hpp"
+#include "gpu/index_math.cuh"
 #include "gpu/merge_states.hpp"
 
 namespace bsattn::gpu {
@@ -40,7 +42,8 @@ constexpr int kThreads = 256;
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 // bf16 widened by its bits: with __bfloat162float the 16-byte kernels needed 124-128 registers
-// (52 bytes spilled on decode merges) against 100-114 this way, as f16's conversion does.
+// (52 bytes spilled on decode merges) against 100-114 this way, as f16's conversion does, and
+// large bf16 merges ran at 78-80 % of the ceiling against 89-92 % this way.
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) {
   return __uint_as_float(static_cast<unsigned>(__bfloat16_as_ushort(x)) << 16);
 }
@@ -65,18 +68,6 @@ template <class T, int kElems>
 struct alignas(sizeof(T) * kElems) Pack {
   T e[kElems];
 };
-
-// n / d and n % d, in 32-bit arithmetic when both fit (the 64-bit division is a long routine).
-__device__ __forceinline__ void divmod(std::int64_t n, std::int64_t d, std::int64_t& q, std::int64_t& r) {
-  if (((n | d) >> 32) == 0) {
-    const auto a = static_cast<std::uint32_t>(n), b = static_cast<std::uint32_t>(d);
-    q = a / b;
-    r = a - static_cast<std::uint32_t>(q) * b;
-  } else {
-    q = n / d;
-    r = n - q * d;
-  }
-}
 
 // One (row, head) work item. 32-bit coordinates (the merge's extents are int32); offsets are
 // recomputed where used, so that several items per thread cost few registers.
