@@ -29,7 +29,10 @@ once the run is that many seconds old; bsattn runs every row first, then the pee
 (FA4 causal, Flex and FA4 at 0.25, Flex causal, the other densities, D 64, D 256).
 --compare LIB...: other builds of the library (kernel variants) timed against --lib on the same
 inputs, in --rounds interleaved rounds (ABBA order), each first checked against the reference;
-their ratios go to the row's notes (time of the variant / time of --lib). --time-unchecked: a
+their ratios go to the row's notes (time of the variant / time of --lib). Mind its error: the same
+build passed as --compare read 0.931x at rand0.25 (1.003x causal) on 2026-12-03 (bench/RESULTS.md,
+"A/A"): each build has its own plan and buffers, placed elsewhere in memory; pass --lib itself as
+a --compare too to see the spread, and time changed kernels with Nsight Compute. --time-unchecked: a
 variant that fails the check is still timed (timing-only builds that skip part of the work, to
 price it; its note says "unchecked").
 
