@@ -232,11 +232,14 @@ int pack_elements(const merge::MergeParams& p, int element_bytes) {
   return elements;
 }
 
-// A lane holds kWidePacks packs of an item when that still fills the device with one wave of
+// A lane holds several packs of an item when that still fills the device with one wave of
 // resident threads (2 CTAs per SM), so that an item's per-row work (its place, LSEs, weights, the
-// division and the logarithm) is shared by 4x fewer lanes; smaller merges (decode) give a lane one
+// division and the logarithm) is shared by fewer lanes: 8 packs (one part at a time) where a row
+// has at least kLongRowPacks, else 4 (parts in chunks of 2). Fewer than 4 lanes per row lose: 8
+// packs per lane on rows of 16 packs ran at 77-80 % of the copy ceiling against 89-92 %, and at
+// 48 % on rows of 8 (bench/RESULTS.md, 2026-12-03 23:28). Smaller merges (decode) give a lane one
 // pack, so that more threads share the few items.
-constexpr int kWidePacks = 4;
+constexpr int kWidePacks = 4, kLongRowWidePacks = 8, kLongRowPacks = 32;
 constexpr int kResidentThreadsPerSm = 2 * kThreads;
 
 template <class T>
@@ -248,7 +251,8 @@ cudaError_t launch(const merge::MergeParams& p, cudaStream_t stream) {
     while ((1 << log2) * packs_per_lane < packs && log2 < 5) ++log2;
     return log2;
   };
-  const int wide_lanes_log2 = lanes_log2_for(kWidePacks);
+  const bool long_rows = packs >= kLongRowPacks;
+  const int wide_lanes_log2 = lanes_log2_for(long_rows ? kLongRowWidePacks : kWidePacks);
   int device = 0;
   if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   const bool wide = p.items() * (std::int64_t(1) << wide_lanes_log2) >=
@@ -269,6 +273,7 @@ cudaError_t launch(const merge::MergeParams& p, cudaStream_t stream) {
   };
   const auto run_width = [&](auto width) {
     constexpr int kElems = decltype(width)::value;
+    if (wide && long_rows) return run(merge_states_kernel<T, kElems, 1, 1, kLongRowWidePacks>, 1);
     if (wide) return run(merge_states_kernel<T, kElems, 2, 1, kWidePacks>, 1);
     if (p.parts <= 2) return run(merge_states_kernel<T, kElems, 2, 4, 1>, 4);
     if (p.parts <= 4) return run(merge_states_kernel<T, kElems, 4, 2, 1>, 2);
