@@ -8,17 +8,18 @@
 // each lane moving packs of 16 bytes along D when every row start allows it, else 8, 4 or one
 // element. The parts are merged in one pass, in part order like the CPU loop, a chunk of them at a
 // time at the chunk's maximum LSE (one rescale of the accumulator per chunk; a merge of one chunk,
-// N <= 8 on decode merges and N <= 2 on large ones, normalises its weights before adding any O
+// N <= 8 on decode merges and N <= 2 (1 on long rows) on large ones, normalises its weights before adding any O
 // and needs none): results differ from the CPU's part-by-part loop by rounding only. Each thread
 // loads 8 (part, item, pack) O packs and their LSEs before using any, and a lane does its item's
 // per-row work (place, LSEs, weights, division, logarithm) itself:
 //  * large merges (at least a wave of resident threads): 4 packs of one item per lane, parts in
-//    chunks of 2. Measured on the H200 (2026-12-03, bench/gpu/bench_merge.py, N = 2 to 8): 70-75 %
+//    chunks of 2 (8 packs, one part at a time, on rows of at least 32 packs). Measured on the H200 (2026-12-03, bench/gpu/bench_merge.py, N = 2 to 8): 70-75 %
 //    of the copy ceiling in bf16 (91 % f32), against 33-36 % with a pack per lane, where the 16
 //    lanes of a D 128 bf16 row each repeated the row's work: ~1,800 instructions per warp for
 //    4 KB moved, issue-bound at 16 resident warps per SM (Nsight Compute); with the chunked
 //    weights (no rescale per part, no final pass on one chunk) 78-80 %, and with bf16 widened by
-//    its bits (fewer registers) 89-92 % (D 64: 74 %), f32 97 %;
+//    its bits (fewer registers) 89-92 % (D 64: 74 %), f32 97 %; 8 packs on rows of 32 packs:
+//    bf16 D 256 94 %, f32 D 128 100 %;
 //  * decode merges (B * H = 1024 items, a few MB): a pack per lane, so that more threads share the
 //    few items: 2 parts of 4 items when N <= 2, 4 of 2 when N <= 4, else 8 parts of one item. They
 //    are bound by the launch and one DRAM latency per eight parts.
