@@ -59,13 +59,14 @@ struct MergeParams {
 // weight 0 and changes nothing, so its O is never used; a NaN LSE (or +inf) turns the sum, the
 // accumulator and the LSE into NaN.
 struct Accumulator {
-  // exp of a difference of LSEs (<= 0, or NaN): the fast hardware exponential on the device.
+  // exp of a difference of LSEs (<= 0, or NaN): the fast hardware exponential on the device
+  // unless kExact (merge_states, whose results are held to the CPU loop's within 2e-6).
+  template <bool kExact = false>
   static BSATTN_HD float exp_of(float x) {
 #ifdef __CUDA_ARCH__
-    return __expf(x);
-#else
-    return expf(x);
+    if constexpr (!kExact) return __expf(x);
 #endif
+    return expf(x);
   }
   // The exponent base of a maximum: 0 while every part is empty, so that weights are exp(-inf) = 0.
   static BSATTN_HD float base(float max) { return max == -INFINITY ? 0.0f : max; }
@@ -92,13 +93,15 @@ struct Accumulator {
   // rebase() to the new maximum (returns the O accumulator's factor), then each part's weight()
   // is added to `sum` and weight * o_i to the O accumulator (none for an empty part: weight 0).
   static BSATTN_HD float max_of(float a, float b) { return (b > a || b != b) ? b : a; }
+  template <bool kExact = false>
   BSATTN_HD float rebase(float new_max) {
-    const float rescale = exp_of(max_lse - base(new_max));  // 0 from an empty start
+    const float rescale = exp_of<kExact>(max_lse - base(new_max));  // 0 from an empty start
     sum *= rescale;
     max_lse = new_max;
     return rescale;
   }
-  BSATTN_HD float weight(float part_lse) const { return exp_of(part_lse - base(max_lse)); }
+  template <bool kExact = false>
+  BSATTN_HD float weight(float part_lse) const { return exp_of<kExact>(part_lse - base(max_lse)); }
   BSATTN_HD float inv_sum() const { return sum == 0.0f ? 0.0f : 1.0f / sum; }  // 0 for an empty row
   BSATTN_HD float lse() const { return sum == 0.0f ? -INFINITY : max_lse + logf(sum); }
 };

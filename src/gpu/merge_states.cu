@@ -150,15 +150,13 @@ __global__ void __launch_bounds__(kThreads, 2) merge_states_kernel(const merge::
 #pragma unroll
       for (int k = 0; k < kItems; ++k) {
         if (!items[k].active) continue;
-        // The chunk's parts are added at the chunk's maximum (merge::Accumulator::rebase with the
-        // exact exponential): one rescale of the accumulator per chunk, none for the first.
+        // The chunk's parts are added at the chunk's maximum (with the exact exponential): one
+        // rescale of the accumulator per chunk, none for the first.
         float chunk_max = a[k].max_lse;
 #pragma unroll
         for (int j = 0; j < kParts; ++j)
           if (i0 + j < p.parts) chunk_max = merge::Accumulator::max_of(chunk_max, lse[k][j]);
-        const float rescale = expf(a[k].max_lse - merge::Accumulator::base(chunk_max));
-        a[k].sum *= rescale;
-        a[k].max_lse = chunk_max;
+        const float rescale = a[k].template rebase<true>(chunk_max);
         if (i0 > 0 && rescale != 1.0f)
 #pragma unroll
           for (int q = 0; q < kPacks; ++q)
@@ -167,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 2) merge_states_kernel(const merge::
         float weight[kParts];
 #pragma unroll
         for (int j = 0; j < kParts; ++j) {
-          weight[j] = i0 + j < p.parts ? expf(lse[k][j] - merge::Accumulator::base(chunk_max)) : 0.0f;
+          weight[j] = i0 + j < p.parts ? a[k].template weight<true>(lse[k][j]) : 0.0f;
           a[k].sum += weight[j];
         }
         const float inv_sum = a[k].inv_sum();
