@@ -311,6 +311,15 @@ void Plan::plan(const Problem& problem) {
       if (decode.packed_heads > 0 &&
           gpu::forward_kernel_block_n(et, problem.head_dim, decode.tile_m, decode.tile_n, false, true) != 0)
         next->tiles = decode;
+      // Prefill tiles of 64 rows and one query head have one consumer warpgroup: the GPU takes the
+      // route width whose kernel fits two CTAs per multiprocessor (gpu::prefill_route_tile_n; a KV
+      // block of 128 then becomes two routes). Not for proxy routes (a window per 64 blocks costs
+      // more than one per 128) nor a plan for the backward (its kernels take the forward's tiles).
+      TileShape& t = next->tiles;
+      if (t.packed_heads == 0 && problem.tile_n == 0 && problem.proxy == Proxy::off && !problem.backward) {
+        t.tile_n = gpu::prefill_route_tile_n(et, problem.head_dim, prefill);
+        t.kv_split = problem.block.kv / t.tile_n;
+      }
     }
     if (gpu::forward_kernel_block_n(et, problem.head_dim, next->tiles.tile_m, next->tiles.tile_n, false,
                                     next->tiles.packed_heads > 0) == 0)

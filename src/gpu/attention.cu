@@ -1,6 +1,7 @@
 #include "gpu/attention.hpp"
 
 #include "gpu/fwd/kernel_set.hpp"
+#include "gpu/fwd/scheduler.cuh"
 
 namespace bsattn::gpu {
 namespace {
@@ -9,31 +10,44 @@ using fwd::KernelKind;
 using Kernels = cudaError_t (*)(const AttentionParams*, const TokenExtents&, const int*, cudaStream_t,
                                 const DecodeShape*);
 
+// One compiled (dtype, head dim, width, proxy, kind): its launcher and the residency of its kernel
+// for tiles of one query head.
+struct KernelSet {
+  Kernels run = nullptr;
+  int (*unpacked_ctas_per_sm)() = nullptr;
+  explicit operator bool() const { return run != nullptr; }
+};
+
 // The kernels of (width, kind) among those src/gpu/CMakeLists.txt generates for a compiled
 // (dtype, head dim): widths 64 and 128 (D <= 128) or 64; no decode kind with proxy compensation.
 template <ElementType kType, int kHeadDim, bool kProxy>
-Kernels kernels_of(int block_n, KernelKind kind) {
-  const auto of_width = [&](auto width) -> Kernels {
+KernelSet kernels_of(int block_n, KernelKind kind) {
+  const auto of_width = [&](auto width) -> KernelSet {
     constexpr int kN = decltype(width)::value;
+    const auto set = [](auto of_kind) -> KernelSet {
+      constexpr KernelKind kKind = decltype(of_kind)::value;
+      return {&fwd::run_kernels<kType, kHeadDim, kN, kProxy, kKind>,
+              &fwd::unpacked_ctas_per_sm<kType, kHeadDim, kN, kProxy, kKind>};
+    };
     switch (kind) {
       case KernelKind::decode:
-        if constexpr (kProxy) return nullptr;
-        else return &fwd::run_kernels<kType, kHeadDim, kN, false, KernelKind::decode>;
-      case KernelKind::rows64: return &fwd::run_kernels<kType, kHeadDim, kN, kProxy, KernelKind::rows64>;
-      case KernelKind::rows128: return &fwd::run_kernels<kType, kHeadDim, kN, kProxy, KernelKind::rows128>;
+        if constexpr (kProxy) return {};
+        else return set(std::integral_constant<KernelKind, KernelKind::decode>{});
+      case KernelKind::rows64: return set(std::integral_constant<KernelKind, KernelKind::rows64>{});
+      case KernelKind::rows128: return set(std::integral_constant<KernelKind, KernelKind::rows128>{});
     }
-    return nullptr;
+    return {};
   };
   if (block_n == 64) return of_width(std::integral_constant<int, 64>{});
   if constexpr (kHeadDim <= 128) {
     if (block_n == 128) return of_width(std::integral_constant<int, 128>{});
   }
-  return nullptr;
+  return {};
 }
 
 // Whether the build compiled (dtype, head dim, proxy compensation): BSATTN_FWD_<DT>_D<D> and
 // BSATTN_FWD_PROXY_<DT>_D<D> (src/gpu/CMakeLists.txt). `block_n` 0: any width (a family check).
-Kernels compiled_kernels(ElementType t, int d, bool proxy, int block_n, KernelKind kind) {
+KernelSet compiled_kernels(ElementType t, int d, bool proxy, int block_n, KernelKind kind) {
   if (block_n == 0) block_n = 64;
 #ifdef BSATTN_FWD_BF16_D64
   if (t == ElementType::bf16 && d == 64 && !proxy) return kernels_of<ElementType::bf16, 64, false>(block_n, kind);
@@ -64,7 +78,7 @@ Kernels compiled_kernels(ElementType t, int d, bool proxy, int block_n, KernelKi
   (void)proxy;
   (void)block_n;
   (void)kind;
-  return nullptr;
+  return {};
 }
 
 KernelKind kind_of(int tile_m, bool decode) {
@@ -82,9 +96,19 @@ int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile
   return 0;
 }
 
+int prefill_route_tile_n(ElementType dtype, int head_dim, const route::RouteParams& geometry) {
+  const int tile_n = geometry.tile_n;
+  if (geometry.tile_m != 64 || fwd::packable_heads(geometry) || tile_n <= 64 || tile_n % 64 != 0) return tile_n;
+  const int wide_n = forward_kernel_block_n(dtype, head_dim, 64, tile_n);
+  if (wide_n <= 64) return tile_n;
+  const KernelSet wide = compiled_kernels(dtype, head_dim, false, wide_n, KernelKind::rows64);
+  const KernelSet narrow = compiled_kernels(dtype, head_dim, false, 64, KernelKind::rows64);
+  return wide && narrow && narrow.unpacked_ctas_per_sm() > wide.unpacked_ctas_per_sm() ? 64 : tile_n;
+}
+
 cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy, bool decode) {
   const int block_n = forward_kernel_block_n(dtype, head_dim, tile_m, tile_n, proxy, decode);
-  const Kernels k = block_n ? compiled_kernels(dtype, head_dim, proxy, block_n, kind_of(tile_m, decode)) : nullptr;
+  const Kernels k = block_n ? compiled_kernels(dtype, head_dim, proxy, block_n, kind_of(tile_m, decode)).run : nullptr;
   if (!k) return cudaErrorInvalidValue;
   const DecodeShape shape;
   return k(nullptr, TokenExtents{}, nullptr, nullptr, decode ? &shape : nullptr);
@@ -96,7 +120,7 @@ cudaError_t run_forward(const AttentionParams& a, const TokenExtents& extents, c
   const int block_n =
       forward_kernel_block_n(a.in_type, a.head_dim, a.route.tile_m, a.route.tile_n, proxy, decode != nullptr);
   const Kernels k =
-      block_n ? compiled_kernels(a.in_type, a.head_dim, proxy, block_n, kind_of(a.route.tile_m, decode != nullptr))
+      block_n ? compiled_kernels(a.in_type, a.head_dim, proxy, block_n, kind_of(a.route.tile_m, decode != nullptr)).run
               : nullptr;
   if (!k) return cudaErrorInvalidValue;
   return k(&a, extents, overflow, stream, decode);

@@ -38,6 +38,12 @@ struct DecodeShape {
 int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy = false,
                            bool decode = false);
 
+// The route width for exact prefill tiles of `geometry` (its tile_m, tile_n and heads) on the GPU:
+// 64 where tile_m is 64, the query heads cannot be packed two per tile, and the 64-wide kernel
+// fits more CTAs per multiprocessor than the one of tile_n (a tile of one query head has one
+// consumer warpgroup, whose softmax then runs under the other CTA's GEMMs); else tile_n.
+int prefill_route_tile_n(ElementType dtype, int head_dim, const route::RouteParams& geometry);
+
 // Raises the shared-memory limit of the kernels that serve this shape and records how many CTA
 // pairs fit on the current device (plan time: not a stream operation, so run() stays capturable).
 cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy = false,

@@ -90,6 +90,57 @@ TEST(GpuForward, PersistentManyTiles) {
   }
 }
 
+// Q blocks of 64 and KV blocks of 128 at D 128: a tile of one query head (heads not packable)
+// runs 64-wide routes, two per KV block, so that two CTAs share a multiprocessor; packable heads,
+// an explicit tile_n and a plan for the backward keep the KV block's width. Every format, masks,
+// varlen, tails; results against the CPU engine.
+TEST(GpuForward, UnpackedRows64TilesTakeTwoRoutesPerBlock) {
+  REQUIRE_SM90();
+  std::uint64_t seed = 9500;
+  for (int i = 0; i < 10; ++i) {
+    CaseSpec spec;
+    const Sweep& s = kSweeps[i < 8 ? i : i - 6];  // with a pattern per query head: lists and BSR
+    spec.format = s.format;
+    spec.varlen = s.varlen;
+    spec.bq = 64;
+    spec.bk = 128;
+    spec.hq = i < 8 ? 3 : 4;  // 3 / 3: MHA with an odd head count; 4 / 2 with a pattern per query head
+    spec.hkv = i < 8 ? 3 : 2;
+    spec.sparsity_heads = i < 8 ? 0 : 4;
+    spec.mask = i % 6;
+    spec.max_seqlen = 300 + 37 * i;
+    spec.out_f32 = i == 5;
+    spec.seed = seed++;
+    auto c = make_case(spec);
+    SCOPED_TRACE(c->name);
+    {
+      Plan plan(c->problem);
+      EXPECT_EQ(plan.tiles().tile_n, 64);
+      EXPECT_EQ(plan.tiles().kv_split, 2);
+      plan.run(c->in_device, c->out_device, nullptr);
+      plan.check(nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+    }
+    expect_close(*c, download(*c), run_cpu(*c));
+  }
+  const auto problem_of = [](int hq, int hkv, int sparsity_heads) {
+    CaseSpec spec;
+    spec.bq = 64;
+    spec.bk = 128;
+    spec.hq = hq;
+    spec.hkv = hkv;
+    spec.sparsity_heads = sparsity_heads;
+    return make_case(spec)->problem;
+  };
+  EXPECT_EQ(Plan(problem_of(4, 2, 2)).tiles().tile_n, 128) << "query-head pairs share routes and K/V";
+  Problem explicit_width = problem_of(3, 3, 3);
+  explicit_width.tile_n = 128;
+  EXPECT_EQ(Plan(explicit_width).tiles().tile_n, 128);
+  Problem for_backward = problem_of(3, 3, 3);
+  for_backward.backward = true;
+  EXPECT_EQ(Plan(for_backward).tiles().tile_n, 128);
+}
+
 TEST(GpuForward, GqaAndMasks) {
   REQUIRE_SM90();
   const int heads[][2] = {{4, 4}, {4, 1}, {8, 2}};

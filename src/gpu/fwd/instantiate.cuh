@@ -21,6 +21,18 @@ struct CuteElement<ElementType::f16> {
 // tile_m 128 with 128-wide K/V tiles a CTA pair sharing its K/V loads (pair multicast). kProxy: the
 // kernels with proxy compensation (proxy.cuh), the pair included (a pair's two heads share their
 // routes, so their proxy windows too); no decode kernel.
+// The tile_m 64 kernel of one query head per tile: two CTAs per multiprocessor where their shared
+// memory fits (WsConfig checks the pair).
+template <class Element, int kHeadDim, int kBlockN>
+using Rows64Traits = Traits<Element, kHeadDim, 1, kBlockN, 1, 2, false, false,
+                            Traits<Element, kHeadDim, 1, kBlockN>::kSmemBytes <= 100 * 1024 ? 2 : 1>;
+
+template <ElementType kType, int kHeadDim, int kBlockN, bool kProxy, KernelKind kKind>
+int unpacked_ctas_per_sm() {
+  if constexpr (kKind == KernelKind::rows64) return Rows64Traits<typename CuteElement<kType>::type, kHeadDim, kBlockN>::kCtasPerSm;
+  else return 1;
+}
+
 template <ElementType kType, int kHeadDim, int kBlockN, bool kProxy, KernelKind kKind>
 cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, const int* overflow,
                         cudaStream_t stream, const DecodeShape* decode) {
@@ -48,9 +60,7 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
     }
     return launch_forward_ws<Rows128, kProxy>(a, extents, overflow, stream);
   } else {
-    // Two CTAs per multiprocessor where their shared memory fits (WsConfig checks the pair).
-    constexpr int kRows64Ctas = Traits<Element, kHeadDim, 1, kBlockN>::kSmemBytes <= 100 * 1024 ? 2 : 1;
-    using Rows64 = Traits<Element, kHeadDim, 1, kBlockN, 1, 2, false, false, kRows64Ctas>;
+    using Rows64 = Rows64Traits<Element, kHeadDim, kBlockN>;
     using Rows64Packed = Traits<Element, kHeadDim, 2, kBlockN, 2>;
     if (!a) {
       const cudaError_t e = launch_forward_ws<Rows64, kProxy>(nullptr, extents, overflow, stream);
@@ -68,4 +78,6 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
   template cudaError_t bsattn::gpu::fwd::run_kernels<bsattn::ElementType::TYPE, HEAD_DIM, BLOCK_N, PROXY,     \
                                                      bsattn::gpu::fwd::KernelKind::KIND>(                     \
       const bsattn::AttentionParams*, const bsattn::gpu::TokenExtents&, const int*, cudaStream_t,             \
-      const bsattn::gpu::DecodeShape*);
+      const bsattn::gpu::DecodeShape*);                                                                        \
+  template int bsattn::gpu::fwd::unpacked_ctas_per_sm<bsattn::ElementType::TYPE, HEAD_DIM, BLOCK_N, PROXY,    \
+                                                      bsattn::gpu::fwd::KernelKind::KIND>();
