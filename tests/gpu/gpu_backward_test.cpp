@@ -518,6 +518,13 @@ TEST(GpuBackwardHost, TiledDqLayout) {
           ++seen[pos];
         }
     for (int i = 0; i < 64 * d; ++i) ASSERT_EQ(seen[i], 1) << "position " << i;
+    // The conversion's reads: 8 columns of a row pair (r0, r0 + 8) from four 16-byte slots.
+    for (int r0 = 0; r0 < 64; r0 += r0 % 8 == 7 ? 9 : 1)
+      for (int col = 0; col < d; col += 8)
+        for (int i = 0; i < 4; ++i)
+          for (int e = 0; e < 4; ++e)
+            ASSERT_EQ(dq_row_pair_slots(r0, col, d) + 4 * i + e, dq_tile_position(r0 + 8 * (e / 2), col + 2 * i + e % 2, d))
+                << "rows " << r0 << " col " << col;
   }
   std::mt19937 rng(4711);
   for (int trial = 0; trial < 200; ++trial) {
@@ -538,6 +545,17 @@ TEST(GpuBackwardHost, TiledDqLayout) {
       previous_end = start + (len + 63) / 64 * 64;
       ASSERT_LE(previous_end, tiles * 64);
     }
+    // Every padded row back to its (sequence, row), or to padding: each (b, q) exactly once.
+    std::vector<int> rows_seen(cu[p.batch] + static_cast<std::size_t>(p.batch) * p.max_seqlen_q, 0);
+    for (std::int64_t padded = 0; padded < tiles * 64; ++padded) {
+      int b = -1, q = -2;
+      dq_padded_row(p, padded, b, q);
+      if (q < 0) continue;
+      ASSERT_EQ(dq_padded_start(p, b) + q, padded);
+      ++rows_seen[bsattn::route::seq_info(p, b).q_base + q];
+    }
+    const std::int64_t q_rows = p.varlen_q ? cu[p.batch] : static_cast<std::int64_t>(p.batch) * p.max_seqlen_q;
+    for (std::int64_t r = 0; r < q_rows; ++r) ASSERT_EQ(rows_seen[r], 1) << "packed row " << r;
   }
 }
 

@@ -57,4 +57,31 @@ BSATTN_HD int dq_tile_position(int row, int col, int head_dim) {
   return region * 64 * n + dq_fragment_offset(t, e / 4, n) + e % 4;
 }
 
+// Offset within a tile of the four 16-byte slots that hold columns [col, col + 8) (col a multiple
+// of 8) of rows r0 and r0 + 8 (r0 % 16 < 8): slot i is (r0, col + 2 i), (r0, col + 2 i + 1),
+// (r0 + 8, col + 2 i), (r0 + 8, col + 2 i + 1) — the values of fragment thread t0 + i.
+BSATTN_HD int dq_row_pair_slots(int r0, int col, int head_dim) {
+  const int n = head_dim / dq_warpgroups(head_dim);
+  const int t0 = (r0 / 16) * 32 + (r0 % 8) * 4;
+  return (col / n) * 64 * n + dq_fragment_offset(t0, (col % n) / 8, n);
+}
+
+// The sequence b and its row q of padded row `padded` of the accumulator, or q = -1 for a row of a
+// sequence's padding. Varlen: a binary search over the padded starts (they ascend by >= 64).
+BSATTN_HD void dq_padded_row(const route::RouteParams& p, std::int64_t padded, int& b, int& q) {
+  if (p.varlen_q) {
+    int lo = 0, hi = p.batch - 1;  // the last b whose padded start is <= padded
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (dq_padded_start(p, mid) <= padded) lo = mid;
+      else hi = mid - 1;
+    }
+    b = lo;
+  } else {
+    b = static_cast<int>(padded / ((p.max_seqlen_q + 63) / 64 * 64));  // max_seqlen_q >= 1
+  }
+  const std::int64_t local = padded - dq_padded_start(p, b);
+  q = local < route::seq_info(p, b).seqlen_q ? static_cast<int>(local) : -1;
+}
+
 }  // namespace bsattn::gpu::bwd

@@ -46,6 +46,25 @@ __device__ __forceinline__ void load_elements8(const void* base, std::int64_t i,
   }
 }
 
+// The dot product of 8 f16 or bf16 elements held as 16 raw bytes each, in fp32.
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, ElementType t) {
+  const unsigned wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float2 fa, fb;
+    if (t == ElementType::f16) {
+      fa = __half22float2(*reinterpret_cast<const __half2*>(&wa[k]));
+      fb = __half22float2(*reinterpret_cast<const __half2*>(&wb[k]));
+    } else {
+      fa = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wa[k]));
+      fb = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wb[k]));
+    }
+    sum += fa.x * fb.x + fa.y * fb.y;
+  }
+  return sum;
+}
+
 // x[0 .. 7] into elements i .. i + 7 by 16-byte stores (the caller checked vector_aligned).
 __device__ __forceinline__ void store_elements8(void* base, std::int64_t i, ElementType t, const float x[8]) {
   if (t == ElementType::f32) {
