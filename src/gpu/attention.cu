@@ -10,11 +10,11 @@ using fwd::KernelKind;
 using Kernels = cudaError_t (*)(const AttentionParams*, const TokenExtents&, const int*, cudaStream_t,
                                 const DecodeShape*);
 
-// One compiled (dtype, head dim, width, proxy, kind): its launcher and the residency of its kernel
-// for tiles of one query head.
+// One compiled (dtype, head dim, width, proxy, kind): its launcher and its kernel's CTAs per
+// multiprocessor (rows64: for tiles of one query head).
 struct KernelSet {
   Kernels run = nullptr;
-  int (*unpacked_ctas_per_sm)() = nullptr;
+  int (*ctas_per_sm)() = nullptr;
   explicit operator bool() const { return run != nullptr; }
 };
 
@@ -27,7 +27,7 @@ KernelSet kernels_of(int block_n, KernelKind kind) {
     const auto set = [](auto of_kind) -> KernelSet {
       constexpr KernelKind kKind = decltype(of_kind)::value;
       return {&fwd::run_kernels<kType, kHeadDim, kN, kProxy, kKind>,
-              &fwd::unpacked_ctas_per_sm<kType, kHeadDim, kN, kProxy, kKind>};
+              &fwd::kernel_ctas_per_sm<kType, kHeadDim, kN, kProxy, kKind>};
     };
     switch (kind) {
       case KernelKind::decode:
@@ -81,6 +81,15 @@ KernelSet compiled_kernels(ElementType t, int d, bool proxy, int block_n, Kernel
   return {};
 }
 
+// 64 where tile_n is 128 and the kind's 64-wide kernel fits more CTAs per multiprocessor than its
+// 128-wide one, else tile_n.
+int narrower_if_more_resident(ElementType dtype, int head_dim, int tile_n, KernelKind kind) {
+  if (tile_n != 128 || head_dim > 128) return tile_n;
+  const KernelSet wide = compiled_kernels(dtype, head_dim, false, 128, kind);
+  const KernelSet narrow = compiled_kernels(dtype, head_dim, false, 64, kind);
+  return wide && narrow && narrow.ctas_per_sm() > wide.ctas_per_sm() ? 64 : tile_n;
+}
+
 KernelKind kind_of(int tile_m, bool decode) {
   return decode ? KernelKind::decode : tile_m == 128 ? KernelKind::rows128 : KernelKind::rows64;
 }
@@ -98,12 +107,12 @@ int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile
 
 int prefill_route_tile_n(ElementType dtype, int head_dim, const route::RouteParams& geometry) {
   const int tile_n = geometry.tile_n;
-  if (geometry.tile_m != 64 || fwd::packable_heads(geometry) || tile_n <= 64 || tile_n % 64 != 0) return tile_n;
-  const int wide_n = forward_kernel_block_n(dtype, head_dim, 64, tile_n);
-  if (wide_n <= 64) return tile_n;
-  const KernelSet wide = compiled_kernels(dtype, head_dim, false, wide_n, KernelKind::rows64);
-  const KernelSet narrow = compiled_kernels(dtype, head_dim, false, 64, KernelKind::rows64);
-  return wide && narrow && narrow.unpacked_ctas_per_sm() > wide.unpacked_ctas_per_sm() ? 64 : tile_n;
+  if (geometry.tile_m != 64 || fwd::packable_heads(geometry)) return tile_n;
+  return narrower_if_more_resident(dtype, head_dim, tile_n, KernelKind::rows64);
+}
+
+int decode_route_tile_n(ElementType dtype, int head_dim, int tile_n) {
+  return narrower_if_more_resident(dtype, head_dim, tile_n, KernelKind::decode);
 }
 
 cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy, bool decode) {

@@ -44,6 +44,11 @@ int forward_kernel_block_n(ElementType dtype, int head_dim, int tile_m, int tile
 // consumer warpgroup, whose softmax then runs under the other CTA's GEMMs); else tile_n.
 int prefill_route_tile_n(ElementType dtype, int head_dim, const route::RouteParams& geometry);
 
+// The route width for split-KV decode tiles: 64 where the 64-wide decode kernel fits more CTAs per
+// multiprocessor than the one serving tile_n (two: a split step's cluster of up to 16 CTAs then
+// fits on 8 multiprocessors, so the splits merge through distributed shared memory); else tile_n.
+int decode_route_tile_n(ElementType dtype, int head_dim, int tile_n);
+
 // Raises the shared-memory limit of the kernels that serve this shape and records how many CTA
 // pairs fit on the current device (plan time: not a stream operation, so run() stays capturable).
 cudaError_t configure_forward(ElementType dtype, int head_dim, int tile_m, int tile_n, bool proxy = false,

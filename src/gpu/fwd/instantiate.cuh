@@ -27,9 +27,20 @@ template <class Element, int kHeadDim, int kBlockN>
 using Rows64Traits = Traits<Element, kHeadDim, 1, kBlockN, 1, 2, false, false,
                             Traits<Element, kHeadDim, 1, kBlockN>::kSmemBytes <= 100 * 1024 ? 2 : 1>;
 
+// The decode kernel: one warpgroup streams K/V at memory speed and wants bytes in flight, so three
+// stages where they fit (D <= 128). 64-wide tiles instead take two stages and two CTAs per
+// multiprocessor (40 / 208 registers): a split step's cluster of up to 16 CTAs then fits on 8
+// multiprocessors, and every split-KV step of a B = 1 decode merges in clusters (launch.cuh).
+template <class Element, int kHeadDim, int kBlockN>
+using DecodeTraits = std::conditional_t<kBlockN == 64 && kHeadDim <= 128,
+                                        Traits<Element, kHeadDim, 1, kBlockN, 1, 2, false, true, 2>,
+                                        Traits<Element, kHeadDim, 1, kBlockN, 1, kHeadDim <= 128 ? 3 : 2, false, true>>;
+
 template <ElementType kType, int kHeadDim, int kBlockN, bool kProxy, KernelKind kKind>
-int unpacked_ctas_per_sm() {
-  if constexpr (kKind == KernelKind::rows64) return Rows64Traits<typename CuteElement<kType>::type, kHeadDim, kBlockN>::kCtasPerSm;
+int kernel_ctas_per_sm() {
+  using Element = typename CuteElement<kType>::type;
+  if constexpr (kKind == KernelKind::rows64) return Rows64Traits<Element, kHeadDim, kBlockN>::kCtasPerSm;
+  else if constexpr (kKind == KernelKind::decode) return DecodeTraits<Element, kHeadDim, kBlockN>::kCtasPerSm;
   else return 1;
 }
 
@@ -39,10 +50,7 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
   using Element = typename CuteElement<kType>::type;
   if constexpr (kKind == KernelKind::decode) {
     static_assert(!kProxy, "the decode kernel takes exact routes only");
-    // Three stages where they fit (D <= 128): one warpgroup streams K/V at memory speed and wants
-    // more bytes in flight than the prefill tiles.
-    using Decode = Traits<Element, kHeadDim, 1, kBlockN, 1, kHeadDim <= 128 ? 3 : 2, false, true>;
-    return launch_forward_ws<Decode>(a, extents, overflow, stream, decode_geometry(*decode));
+    return launch_forward_ws<DecodeTraits<Element, kHeadDim, kBlockN>>(a, extents, overflow, stream, decode_geometry(*decode));
   } else if constexpr (kKind == KernelKind::rows128) {
     using Rows128 = Traits<Element, kHeadDim, 2, kBlockN>;
     if constexpr (kBlockN == 128) {  // 128-wide K/V tiles: halves of 64 tokens per CTA
@@ -79,5 +87,5 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
                                                      bsattn::gpu::fwd::KernelKind::KIND>(                     \
       const bsattn::AttentionParams*, const bsattn::gpu::TokenExtents&, const int*, cudaStream_t,             \
       const bsattn::gpu::DecodeShape*);                                                                        \
-  template int bsattn::gpu::fwd::unpacked_ctas_per_sm<bsattn::ElementType::TYPE, HEAD_DIM, BLOCK_N, PROXY,    \
-                                                      bsattn::gpu::fwd::KernelKind::KIND>();
+  template int bsattn::gpu::fwd::kernel_ctas_per_sm<bsattn::ElementType::TYPE, HEAD_DIM, BLOCK_N, PROXY,      \
+                                                    bsattn::gpu::fwd::KernelKind::KIND>();

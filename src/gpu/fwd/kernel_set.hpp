@@ -21,8 +21,8 @@ template <ElementType kType, int kHeadDim, int kBlockN, bool kProxy, KernelKind 
 cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, const int* overflow,
                         cudaStream_t stream, const DecodeShape* decode);
 
-// CTAs per multiprocessor of the kind's kernel for tiles of one query head (no GQA packing).
+// CTAs per multiprocessor of the kind's kernel (rows64: the one for tiles of one query head).
 template <ElementType kType, int kHeadDim, int kBlockN, bool kProxy, KernelKind kKind>
-int unpacked_ctas_per_sm();
+int kernel_ctas_per_sm();
 
 }  // namespace bsattn::gpu::fwd

@@ -25,7 +25,7 @@ struct Traits {
   static constexpr bool kPairMulticast = kPairMulticast_;
   static constexpr bool kDecode = kDecode_;
   static constexpr int kCtasPerSm = kCtasPerSm_;
-  static_assert(kCtasPerSm == 1 || (kWarpgroups == 1 && !kDecode), "two CTAs per SM: one consumer warpgroup");
+  static_assert(kCtasPerSm == 1 || (kWarpgroups == 1 && !kPairMulticast), "two CTAs per SM: one consumer warpgroup");
   static_assert(!kDecode || (kWarpgroups == 1 && kHeadsPerTile == 1 && !kPairMulticast), "decode: one warpgroup");
   static constexpr int kItemHeads = kPairMulticast ? 2 : kHeadsPerTile;  // query heads per work item
   static constexpr int kBlockM = 64 * kWarpgroups / kHeadsPerTile;  // query rows of the route tile
