@@ -66,7 +66,7 @@ using gpu::DeviceGuard;
 // fewer than 16 tokens (tile_m is a multiple of 16). Not for an explicit tile_m, proxy routes, or
 // a plan for the backward (whose kernels take the prefill tiles). Split-KV when the work items
 // (sequences x head groups) leave multiprocessors idle: as many splits as fill them, each at
-// least 4 routes long, on the routes of the decode kernel that merges them in clusters.
+// least 4 routes long; their routes those of the decode kernel that merges them in clusters.
 static void choose_decode(const Problem& pb, const route::RouteParams& geo, int routes_per_row, int sms,
                           TileShape& t) {
   if (pb.tile_m > 0 || pb.proxy != Proxy::off || pb.backward || pb.heads_kv <= 0) return;
@@ -79,22 +79,19 @@ static void choose_decode(const Problem& pb, const route::RouteParams& geo, int 
   t.unit_m = std::min(pb.block.q, tokens);
   t.units_per_tile = tokens / t.unit_m;
   t.packed_heads = heads;
+  t.kv_splits = 1;
   const std::int64_t items = static_cast<std::int64_t>(pb.batch) * (pb.heads_q / heads);
-  const auto splits = [&](std::int64_t routes) {
-    return items < sms ? static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(sms / items, routes / 4))) : 1;
-  };
-  t.kv_splits = splits(routes_per_row);
-  if (t.kv_splits > 1) {
-    // Split-KV: the route width whose decode kernel fits two CTAs per multiprocessor, so that the
-    // splits merge in clusters (gpu::decode_route_tile_n); the splits counted again on its routes.
+  if (items < sms)
+    t.kv_splits = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(sms / items, routes_per_row / 4)));
+  if (t.kv_splits > 1 && routes_per_row <= 8 * t.kv_splits) {
+    // A short split step (at most 8 routes per split), whose time is mostly fixed costs: the route
+    // width whose decode kernel fits two CTAs per multiprocessor, so that the splits merge in
+    // clusters (gpu::decode_route_tile_n; B 1, L 8192: 23.1-23.5 -> 20.8-21.3 us). Long splits keep
+    // the wide kernel's three stages (L 131072 was not measured with two). The splits stay those of
+    // the KV blocks' width: as many tokens each, at most 16 (a cluster) where the blocks are 128 wide.
     const ElementType et = pb.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16;
-    const int tile_n = gpu::decode_route_tile_n(et, pb.head_dim, t.tile_n);
-    if (tile_n != t.tile_n) {
-      const int kv_split = pb.block.kv / tile_n;
-      t.kv_splits = splits(static_cast<std::int64_t>(routes_per_row) / t.kv_split * kv_split);
-      t.tile_n = tile_n;
-      t.kv_split = kv_split;
-    }
+    t.tile_n = gpu::decode_route_tile_n(et, pb.head_dim, t.tile_n);
+    t.kv_split = pb.block.kv / t.tile_n;
   }
   // Measurement switch (environment, read once): BSATTN_GPU_DECODE_SPLITS=N forces N splits.
   static const int forced_splits = [] {
