@@ -207,8 +207,9 @@ TEST(GpuDecode, ManySplitsMergeInBatches) {
 }
 
 // Splits that merge in a cluster (decode.cuh merge_cluster_splits: 2 to 16 splits whose clusters
-// all fit at once; on the H200 up to 7 clusters of 16): one sequence of 2 head groups, so every
-// split count up to 16 fits. Every row count a tile can hold (1 query of 4 packed heads: 4 rows;
+// all fit at once; on the H200 up to 7 clusters of 16 CTAs of one per SM): one sequence of 2 head
+// groups, so every split count up to 16 fits. These short steps (4-5 routes of 128 per split)
+// run 64-wide routes on the decode kernel of two CTAs per SM. Every row count a tile can hold (1 query of 4 packed heads: 4 rows;
 // 16 queries: 64 rows), D 64 / 128 / 256 (D 256 fills the V stages with the fp32 partial rows),
 // f32 and 16-bit outputs, and a NaN in one V element, which must reach the rows that read it
 // through the merge as in the CPU engine. BSATTN_GPU_DECODE_CLUSTER=0 runs the same cases through
@@ -246,6 +247,8 @@ TEST(GpuDecode, SplitsMergeInClusters) {
     Plan plan(c->problem);
     EXPECT_GE(plan.tiles().kv_splits, 2);
     EXPECT_LE(plan.tiles().kv_splits, 16);
+    // At most 8 routes per split: a short step, on the decode kernel of two CTAs per SM (64 wide).
+    if (spec.head_dim <= 128) EXPECT_EQ(plan.tiles().tile_n, 64);
     non_finite += run_and_compare(*c, poisoned);
   }
   EXPECT_GT(non_finite, 0u) << "no poisoned element reached a row";
