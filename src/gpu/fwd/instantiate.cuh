@@ -17,10 +17,6 @@ struct CuteElement<ElementType::f16> {
   using type = cute::half_t;
 };
 
-// Where the head grouping allows it, tile_m 64 runs two query heads per CTA (GQA packing) and
-// tile_m 128 with 128-wide K/V tiles a CTA pair sharing its K/V loads (pair multicast). kProxy: the
-// kernels with proxy compensation (proxy.cuh), the pair included (a pair's two heads share their
-// routes, so their proxy windows too); no decode kernel.
 // The tile_m 64 kernel of one query head per tile: two CTAs per multiprocessor where their shared
 // memory fits (WsConfig checks the pair).
 template <class Element, int kHeadDim, int kBlockN>
@@ -30,7 +26,7 @@ using Rows64Traits = Traits<Element, kHeadDim, 1, kBlockN, 1, 2, false, false,
 // The decode kernel: one warpgroup streams K/V at memory speed and wants bytes in flight, so three
 // stages where they fit (D <= 128). 64-wide tiles instead take two stages and two CTAs per
 // multiprocessor (40 / 208 registers): a split step's cluster of up to 16 CTAs then fits on 8
-// multiprocessors, and every split-KV step of a B = 1 decode merges in clusters (launch.cuh).
+// multiprocessors, so short split steps merge in clusters (api/plan.cpp choose_decode, launch.cuh).
 template <class Element, int kHeadDim, int kBlockN>
 using DecodeTraits = std::conditional_t<kBlockN == 64 && kHeadDim <= 128,
                                         Traits<Element, kHeadDim, 1, kBlockN, 1, 2, false, true, 2>,
@@ -44,6 +40,10 @@ int kernel_ctas_per_sm() {
   else return 1;
 }
 
+// Where the head grouping allows it, tile_m 64 runs two query heads per CTA (GQA packing) and
+// tile_m 128 with 128-wide K/V tiles a CTA pair sharing its K/V loads (pair multicast). kProxy: the
+// kernels with proxy compensation (proxy.cuh), the pair included (a pair's two heads share their
+// routes, so their proxy windows too); no decode kernel.
 template <ElementType kType, int kHeadDim, int kBlockN, bool kProxy, KernelKind kKind>
 cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, const int* overflow,
                         cudaStream_t stream, const DecodeShape* decode) {

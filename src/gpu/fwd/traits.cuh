@@ -12,9 +12,9 @@ namespace bsattn::gpu::fwd {
 // both, halving the L2 traffic per FLOP.
 // kDecode (decode.cuh): one warpgroup whose 64 rows are the query heads of one KV group times
 // 64 / heads tokens, and work items that split a route row's KV routes (split-KV).
-// kCtasPerSm 2 (one consumer warpgroup, shared memory for two): two persistent CTAs per
-// multiprocessor, so that one CTA's softmax runs under the other's GEMMs as two consumer
-// warpgroups of one CTA do.
+// kCtasPerSm 2 (one consumer warpgroup, shared memory for two): two CTAs per multiprocessor, so
+// that one CTA's softmax runs under the other's GEMMs as two consumer warpgroups of one CTA do
+// (persistent prefill), or so that a decode step's cluster of splits fits on half as many SMs.
 template <class Element_, int kHeadDim_, int kWarpgroups_, int kBlockN_, int kHeadsPerTile_ = 1, int kStages_ = 2,
           bool kPairMulticast_ = false, bool kDecode_ = false, int kCtasPerSm_ = 1>
 struct Traits {
