@@ -209,8 +209,8 @@ TEST(GpuDecode, ManySplitsMergeInBatches) {
 // Splits that merge in a cluster (decode.cuh merge_cluster_splits: 2 to 16 splits whose clusters
 // all fit at once; on the H200 up to 7 clusters of 16 CTAs of one per SM): one sequence of 2 head
 // groups, so every split count up to 16 fits. These short steps (4-5 routes of 128 per split)
-// run 64-wide routes on the decode kernel of two CTAs per SM. Every row count a tile can hold (1 query of 4 packed heads: 4 rows;
-// 16 queries: 64 rows), D 64 / 128 / 256 (D 256 fills the V stages with the fp32 partial rows),
+// run 64-wide routes on the decode kernel of two CTAs per SM. Every row count a tile can hold (1
+// query of 4 packed heads: 4 rows; 16 queries: 64 rows), D 64 / 128 / 256 (D 256 fills the V stages with the fp32 partial rows),
 // f32 and 16-bit outputs, and a NaN in one V element, which must reach the rows that read it
 // through the merge as in the CPU engine. BSATTN_GPU_DECODE_CLUSTER=0 runs the same cases through
 // the workspace merge (tests/gpu/device_check.sh, variants).

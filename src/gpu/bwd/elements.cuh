@@ -27,15 +27,8 @@ __device__ __forceinline__ void store_element(void* base, std::int64_t i, Elemen
   }
 }
 
-// Elements i .. i + 7 in fp32 by 16-byte loads (the caller checked vector_aligned).
-__device__ __forceinline__ void load_elements8(const void* base, std::int64_t i, ElementType t, float x[8]) {
-  if (t == ElementType::f32) {
-    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
-    const float4 lo = p[0], hi = p[1];
-    x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
-    return;
-  }
-  const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const char*>(base) + 2 * i);
+// 8 f16 or bf16 elements held as 16 raw bytes, in fp32.
+__device__ __forceinline__ void unpack8(const uint4& v, ElementType t, float x[8]) {
   const unsigned w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -46,22 +39,25 @@ __device__ __forceinline__ void load_elements8(const void* base, std::int64_t i,
   }
 }
 
+// Elements i .. i + 7 in fp32 by 16-byte loads (the caller checked vector_aligned).
+__device__ __forceinline__ void load_elements8(const void* base, std::int64_t i, ElementType t, float x[8]) {
+  if (t == ElementType::f32) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
+    const float4 lo = p[0], hi = p[1];
+    x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+    return;
+  }
+  unpack8(*reinterpret_cast<const uint4*>(static_cast<const char*>(base) + 2 * i), t, x);
+}
+
 // The dot product of 8 f16 or bf16 elements held as 16 raw bytes each, in fp32.
 __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, ElementType t) {
-  const unsigned wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+  float x[8], y[8];
+  unpack8(a, t, x);
+  unpack8(b, t, y);
   float sum = 0.0f;
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    float2 fa, fb;
-    if (t == ElementType::f16) {
-      fa = __half22float2(*reinterpret_cast<const __half2*>(&wa[k]));
-      fb = __half22float2(*reinterpret_cast<const __half2*>(&wb[k]));
-    } else {
-      fa = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wa[k]));
-      fb = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wb[k]));
-    }
-    sum += fa.x * fb.x + fa.y * fb.y;
-  }
+  for (int k = 0; k < 8; ++k) sum += x[k] * y[k];
   return sum;
 }
 
