@@ -66,9 +66,14 @@ struct WarpLanes {
 // per row: a list cursor reaches chunk c0 only by reading every entry before it (junk entries
 // decide which later ones count), 32 a step.
 constexpr int kRowThreads = 128;
+// Named so that ptxas budgets 128 registers for the warp kernels: left to its default for a
+// 128-thread block it took 64-80 and spilled 36-72 bytes beside the cursors' stack frame (the
+// cursors are indexed by unit at run time, so they live in local memory either way).
+constexpr int kRowBlocksPerSm = 4;
 // At most 16 warps (512 threads) so that the launch bound leaves 128 registers: with 32 the
-// compiler had 64 and spilled 40-334 bytes.
-constexpr int kMaxSplitWarps = 16;
+// compiler had 64 and spilled 40-334 bytes. The proxy kernels keep a third cursor per unit and sat
+// at 128 registers with 0-8 bytes of spills from one ptxas run to the next: 8 warps, 255.
+constexpr int max_split_warps(bool proxy) { return proxy ? 8 : 16; }
 constexpr int kSplitWarpsInFlight = 4096;  // ~31 per SM of an H200: W = min(16, chunks, this / rows)
 constexpr int kMinSplitWarps = 4;          // below, two passes cost what the split saves
 
@@ -145,7 +150,7 @@ __device__ __forceinline__ void publish_overflow(std::int32_t* flags, std::uint6
 }
 
 template <int kUnits, bool kProxy, bool kSplit>
-__global__ void __launch_bounds__(kSplit ? 32 * kMaxSplitWarps : kRowThreads)
+__global__ void __launch_bounds__(kSplit ? 32 * max_split_warps(kProxy) : kRowThreads, kSplit ? 1 : kRowBlocksPerSm)
     prepare_routes_kernel(const route::RouteParams p, int rows, route::Route* routes, std::int32_t* counts,
                           std::int32_t* proxy_counts, std::int32_t* flags, std::uint64_t* timeline) {
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = threadIdx.x % 32;
@@ -286,9 +291,9 @@ cudaError_t prepare_routes(const AttentionParams& a, route::Route* routes, std::
   const route::RouteParams& p = a.route;
   // Warps per row: several for a few long rows whose cursors can start at any chunk.
   const bool seekable = p.format == route::SetFormat::all_blocks || p.format == route::SetFormat::bitmask;
-  const int split =
-      std::min({kMaxSplitWarps, route::ceil_div(p.max_kv_blocks, 32), kSplitWarpsInFlight / std::max(rows, 1)});
   const bool proxy = p.proxy_mode != 0;
+  const int split = std::min(
+      {max_split_warps(proxy), route::ceil_div(p.max_kv_blocks, 32), kSplitWarpsInFlight / std::max(rows, 1)});
   return with_units(p, [&](auto units) {
     constexpr int kUnits = decltype(units)::value;
     if (seekable && split >= kMinSplitWarps && rows > 0) {
