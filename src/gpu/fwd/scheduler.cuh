@@ -133,9 +133,11 @@ __device__ __forceinline__ int proxy_window_row(const Tile& t, int step) {
 // classifies it. The rectangle is never empty: i < prefix_tiles.
 __device__ __forceinline__ int route_index(const Tile& t, int i) { return t.routes ? t.routes[i].index : t.route0 + i; }
 // One 8-byte global load of a record (through the slot's pointer the compiler saw a generic
-// address: a word load and two byte loads, each a generic LD).
+// address: a word load and two byte loads, each a generic LD), cached in L1: sixteen records share
+// a line. Taken from L2 every step (ld.global.cg) they cost the decode rows with stored routes
+// 7-10 % (bench/RESULTS.md, 2026-12-04 13:43-14:17); the grid-dependency wait precedes every read.
 __device__ __forceinline__ route::Route load_route(const route::Route* r) {
-  const uint2 w = __ldcg(reinterpret_cast<const uint2*>(r));
+  const uint2 w = __ldca(reinterpret_cast<const uint2*>(r));
   route::Route out;
   out.index = static_cast<std::int32_t>(w.x);
   out.kind = static_cast<std::uint8_t>(w.y);
