@@ -45,13 +45,21 @@ struct WsConfig {
   static constexpr int kTileWarp = 3;  // producer warp that decodes tiles and loads Q
   static constexpr int kThreads = T::kThreads + kProducerThreads;
   static constexpr int kConsumerWarps = T::kThreads / 32;
-  // Register split: 64K registers per SM, one CTA (or 32K each for two). The producer keeps 40:
-  // with 24 its route loop spilled and the kernel ran 5-15 % slower (bench/RESULTS.md). Two CTAs
-  // of one consumer warpgroup: 40 / 208 (a split that takes every register hung in setmaxnreg).
-  static constexpr int kProducerRegs = T::kWarpgroups == 2 || T::kCtasPerSm == 2 ? 40 : 56;
-  static constexpr int kConsumerRegs = T::kWarpgroups == 2 ? 232 : T::kCtasPerSm == 2 ? 208 : 240;
-  static_assert(register_split_fits(kProducerThreads, kProducerRegs, T::kThreads, kConsumerRegs, T::kCtasPerSm),
-                "the consumers' registers exceed the CTA's allocation");
+  // Register split (setmaxnreg): 64K registers per SM, one CTA (or 32K each for two). The producer
+  // keeps 40: with 24 its route loop spilled and the kernel ran 5-15 % slower (bench/RESULTS.md).
+  // Two CTAs of one consumer warpgroup: 40 / 208 (a split that takes every register hung in
+  // setmaxnreg). kProxy: the producer also streams the summary windows, and at 40 / 56 spilled
+  // 4-92 bytes (the tile handoff's count, the TMA flag, the cp.async rows' bases); it takes 64
+  // beside two consumer warpgroups (216 each: no spill there either) and 96 beside one in a CTA of
+  // its own, where the exact split leaves registers unused. Same proxy times (bench/RESULTS.md).
+  template <bool kProxy>
+  struct Registers {
+    static constexpr int kProducer =
+        T::kWarpgroups == 2 ? (kProxy ? 64 : 40) : T::kCtasPerSm == 2 ? 40 : (kProxy ? 96 : 56);
+    static constexpr int kConsumer = T::kWarpgroups == 2 ? (kProxy ? 216 : 232) : T::kCtasPerSm == 2 ? 208 : 240;
+    static_assert(register_split_fits(kProducerThreads, kProducer, T::kThreads, kConsumer, T::kCtasPerSm),
+                  "the consumers' registers exceed the CTA's allocation");
+  };
   struct Smem {
     typename T::SharedStorage tiles;
     PipelineBarriers<T::kStages, T::kWarpgroups> bars;
@@ -148,7 +156,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
   if (role == 0) {
     // ---------------------------------------------------------------- producer warpgroup
     // Two roles with their own registers (producer_roles.cuh): the tile warp, and the K/V loader.
-    cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<C::template Registers<kProxy>::kProducer>();
     const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
     if (warp == C::kTileWarp) {
       run_tile_warp<T, kProxy>(handoff, sm.tile, a, desc, st, bars, overflow, tma, q_before_routes, may_overflow,
@@ -167,7 +175,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
   }
 
   // ------------------------------------------------------------------ consumer warpgroups
-  cutlass::arch::warpgroup_reg_alloc<C::kConsumerRegs>();
+  cutlass::arch::warpgroup_reg_alloc<C::template Registers<kProxy>::kConsumer>();
   const int wg = role - 1;
   const int wg_tid = tid % 128;
   const int wg_barrier = 1 + wg;  // named barriers 1, 2 (0: __syncthreads; 3, 4: ping-pong)
