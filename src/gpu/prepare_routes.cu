@@ -72,9 +72,9 @@ constexpr int kRowThreads = 128;
 constexpr int kRowBlocksPerSm = 4;
 // At most 16 warps (512 threads) so that the launch bound leaves 128 registers: with 32 the
 // compiler had 64 and spilled 40-334 bytes. The proxy kernels keep a third cursor per unit and sat
-// at 128 registers with 0-8 bytes of spills from one ptxas run to the next: 8 warps, 255.
+// at 128 registers with 0-8 bytes of spills from one ptxas run to the next: 8 warps (255 registers).
 constexpr int max_split_warps(bool proxy) { return proxy ? 8 : 16; }
-constexpr int kSplitWarpsInFlight = 4096;  // ~31 per SM of an H200: W = min(16, chunks, this / rows)
+constexpr int kSplitWarpsInFlight = 4096;  // ~31 per SM of an H200: W = min(max_split_warps, chunks, this / rows)
 constexpr int kMinSplitWarps = 4;          // below, two passes cost what the split saves
 
 // The blocks [begin, end) of a row: the chunks of one warp (begin a multiple of 32).
