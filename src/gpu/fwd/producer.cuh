@@ -173,8 +173,9 @@ __device__ __forceinline__ void cp_async_stage_load(typename T::SharedStorage& s
 // entries in parallel). A box past the sequence end reads page kv_pages, past the cache: TMA fills
 // it with zeros. The box holding the sequence end is copied by the whole warp with cp.async,
 // zero-filled past the end: the cache's tokens there are anything, and a NaN in V would reach the
-// row through a zero P. Lane 0 expects the TMA bytes first and arrives once the warp's cp.async
-// copies have landed, so the stage completes when both have.
+// row through a zero P. On that route lane 0 expects the TMA bytes first and arrives once the
+// warp's cp.async copies have landed, so the stage completes when both have; on every other
+// route it arms and arrives at once.
 template <class T>
 __device__ __forceinline__ void load_paged_routes(const Tile& tile, const AttentionParams& a,
                                                   const LaunchDescriptors& desc, typename T::SharedStorage& st,
@@ -193,13 +194,20 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
   const bool my_box = lane < boxes && (!T::kPairMulticast || (r0 >= half && r0 < half + kBlockN / 2));
   const auto load = [&](auto is_v, Element* tiles, const CUtensorMap* map, const Element* head,
                         std::int64_t page_stride, std::int64_t token_stride, std::uint64_t* full, std::uint64_t* empty,
-                        int stage, int phase, int k0, int n_valid, int page, int tail_box) {
+                        int stage, int phase, int k0, int n_valid, int page, int token, int tail_box) {
     Barrier::wait(&empty[stage], phase ^ 1);
-    const unsigned tail_bytes = tail_box >= 0 ? box_rows * kHeadDim * sizeof(Element) : 0;
-    if (lane == 0) expect_tx(&full[stage], kBlockN * kHeadDim * sizeof(Element) - tail_bytes);
-    __syncwarp();
+    constexpr unsigned kTileBytes = kBlockN * kHeadDim * sizeof(Element);
+    // Only the issue is left after the wait: the loader's latency from a stage freeing to its
+    // copies is on paged prefill's critical path (bench/RESULTS.md, 2026-12-04 17:2x). Without a
+    // sequence-end box lane 0 arms and arrives at once (its arrival may follow or precede the
+    // other lanes' bytes: the phase needs both); with one it arrives after the warp's copies.
+    if (tail_box < 0) {
+      if (lane == 0) arrive_expect_tx(&full[stage], kTileBytes);
+    } else {
+      if (lane == 0) expect_tx(&full[stage], kTileBytes - box_rows * kHeadDim * sizeof(Element));
+      __syncwarp();
+    }
     if (my_box && lane != tail_box) {
-      const int token = (k0 + r0) % page_size;
       CUTE_UNROLL
       for (int c = 0; c < kHeadDim / 64; ++c) {
         Element* dst = tiles + (stage * kHeadDim + c * 64) * kBlockN + r0 * 64;
@@ -215,8 +223,8 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
                                                  t0 + box_rows, n_valid, stage, lane);
       cp_async_wait_all();
       __syncwarp();
+      if (lane == 0) Barrier::arrive(&full[stage]);
     }
-    if (lane == 0) Barrier::arrive(&full[stage]);
   };
   for (int i = 0; i < tile.exact; ++i) {
     const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
@@ -224,11 +232,14 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
     const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
     const int rows = lane < boxes ? max(0, min(box_rows, n_valid - r0)) : 0;
     const int page = rows == box_rows ? table[(k0 + r0) / page_size] : desc.kv_pages;
+    const int token = (k0 + r0) % page_size;
     const int tail_box = __ffs(__ballot_sync(0xffffffffu, rows > 0 && rows < box_rows)) - 1;
     load(std::false_type{}, st.k, &desc.k, static_cast<const Element*>(a.k) + hkv * a.k_head_stride,
-         a.k_batch_stride, a.k_token_stride, bars.full_k, bars.empty_k, stage, phase, k0, n_valid, page, tail_box);
+         a.k_batch_stride, a.k_token_stride, bars.full_k, bars.empty_k, stage, phase, k0, n_valid, page, token,
+         tail_box);
     load(std::true_type{}, st.v, &desc.v, static_cast<const Element*>(a.v) + hkv * a.v_head_stride,
-         a.v_batch_stride, a.v_token_stride, bars.full_v, bars.empty_v, stage, phase, k0, n_valid, page, tail_box);
+         a.v_batch_stride, a.v_token_stride, bars.full_v, bars.empty_v, stage, phase, k0, n_valid, page, token,
+         tail_box);
   }
 }
 
