@@ -4,9 +4,12 @@ and once scattered over the pages of a cache [num_pages, page_size, Hkv, D] thro
 block table, attended by bsattn's forward kernel (dense blocks, causal mask aligned bottom-right).
 Decode shapes run through the same (prefill) kernel until the decode kernel exists. Every paged
 result is first checked against the contiguous one; times are the median of >= 20
-CUDA-event timings after warm-up. bf16, Hq 32 / Hkv 8, D 128.
+CUDA-event timings after warm-up, each queued behind --queue-us of GPU sleep so that the events
+bracket GPU execution only (benchlib.timed): without it the host's side of each call fell inside
+the events, and the S = 8191 rows read 1.07-1.12x where the kernels took 1.04-1.06x
+(bench/RESULTS.md, 2026-12-04 18:5x-19:1x). bf16, Hq 32 / Hkv 8, D 128.
 
-  python3 bench/gpu/bench_paged.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--out paged.md]
+  python3 bench/gpu/bench_paged.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--out paged.md] [--queue-us 2000]
 """
 import argparse
 import os
@@ -21,6 +24,7 @@ P = argparse.ArgumentParser()
 P.add_argument("--lib", required=True)
 P.add_argument("--iters", type=int, default=20)
 P.add_argument("--out", default="")
+P.add_argument("--queue-us", type=float, default=2000.0, help="GPU sleep queued before each timed call (0: none)")
 ARGS = P.parse_args()
 
 LIB = load(ARGS.lib, need=("bsattn_bench_plan_kv", "bsattn_bench_run_kv"))
@@ -42,7 +46,7 @@ def run(batch, sq, skv, page_size, q, k, v, out, gen):
     call()
     torch.cuda.synchronize()
     result = out.clone()
-    ms = timed(call, ARGS.iters)
+    ms = timed(call, ARGS.iters, queue_us=ARGS.queue_us)
     return ms, result
 
 

@@ -91,15 +91,28 @@ struct LaunchDescriptors {
   std::uint64_t* timeline;  // measurement builds only (timeline.cuh); else null
 };
 
+// kEvictFirst: the box is read once (a decode step's K/V: query heads packed, splits disjoint), so
+// it is marked evict-first in L2 rather than pushing out what the next launch reads again: the
+// kernel's code and parameters, which a short step fetches cold.
+template <bool kEvictFirst = false>
 __device__ __forceinline__ void tma_load_4d(void* smem, const CUtensorMap* map, std::uint64_t* bar, int c0, int c1,
                                             int c2, int c3) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
-      "[%2];\n" ::"r"(s),
-      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(m), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
+  if constexpr (kEvictFirst) {
+    asm volatile(
+        "{\n.reg .b64 policy;\ncreatepolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, "
+        "%4, %5, %6}], [%2], policy;\n}\n" ::"r"(s),
+        "l"(reinterpret_cast<std::uint64_t>(map)), "r"(m), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+        "[%2];\n" ::"r"(s),
+        "l"(reinterpret_cast<std::uint64_t>(map)), "r"(m), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+  }
 }
 
 // The same box into the same shared-memory offset of every CTA in `mask`, completing on the
@@ -140,7 +153,7 @@ __device__ __forceinline__ void load_operand(typename T::Element* base, const CU
       const int half = static_cast<int>(cute::block_rank_in_cluster()) * (kBlockN / 2);
       tma_load_4d_multicast(dst + half * 64, map, bar, c * 64, token + half, hkv, batch, 0x3);
     } else {
-      tma_load_4d(dst, map, bar, c * 64, token, hkv, batch);
+      tma_load_4d<T::kDecode>(dst, map, bar, c * 64, token, hkv, batch);
     }
   }
 }
@@ -212,7 +225,7 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
       for (int c = 0; c < kHeadDim / 64; ++c) {
         Element* dst = tiles + (stage * kHeadDim + c * 64) * kBlockN + r0 * 64;
         if constexpr (T::kPairMulticast) tma_load_4d_multicast(dst, map, &full[stage], c * 64, token, hkv, page, 0x3);
-        else tma_load_4d(dst, map, &full[stage], c * 64, token, hkv, page);
+        else tma_load_4d<T::kDecode>(dst, map, &full[stage], c * 64, token, hkv, page);
       }
     }
     if (tail_box >= 0) {
