@@ -206,21 +206,24 @@ TEST(GpuDecode, ManySplitsMergeInBatches) {
   EXPECT_GT(non_finite, 0u) << "no poisoned element reached a row";
 }
 
-// Splits that merge in a cluster (decode.cuh merge_cluster_splits: 2 to 16 splits whose clusters
-// all fit at once; on the H200 up to 7 clusters of 16 CTAs of one per SM): one sequence of 2 head
-// groups, so every split count up to 16 fits. These short steps (4-5 routes of 128 per split)
-// run 64-wide routes on the decode kernel of two CTAs per SM. Every row count a tile can hold (1
-// query of 4 packed heads: 4 rows; 16 queries: 64 rows), D 64 / 128 / 256 (D 256 fills the V stages with the fp32 partial rows),
-// f32 and 16-bit outputs, and a NaN in one V element, which must reach the rows that read it
-// through the merge as in the CPU engine. BSATTN_GPU_DECODE_CLUSTER=0 runs the same cases through
-// the workspace merge (tests/gpu/device_check.sh, variants).
+// Splits that merge in a cluster (decode.cuh push_partial / merge_cluster_splits: 2 to 16 splits
+// whose clusters all fit at once; on the H200 up to 7 clusters of 16 CTAs of one per SM): one
+// sequence of 2 head groups, so every split count up to 16 fits. These short steps (4-5 routes of
+// 128 per split) run 64-wide routes on the decode kernel of two CTAs per SM. Row counts 4 (1 query
+// of 4 packed heads: one row per owner at most), 16 (4 queries: several rows per owner, a warp
+// each) and 64 (16 queries: more parts than the two-CTA kernel's inbox holds, so the launch falls
+// back to the workspace merge), D 64 / 128 / 256, f32 and 16-bit outputs, and a NaN in one V
+// element, which must reach the rows that read it through the merge as in the CPU engine.
+// BSATTN_GPU_DECODE_CLUSTER=0 runs the same cases through the workspace merge
+// (tests/gpu/device_check.sh, variants).
 TEST(GpuDecode, SplitsMergeInClusters) {
   REQUIRE_SM90();
   std::mt19937_64 rng(1301);
   std::uint64_t seed = 13010;
   std::size_t non_finite = 0;
   for (int rep = 0; rep < 8; ++rep) {
-    const int shape = rep % 4;  // 0 bf16 D 128; 1 f16 D 64, f32 out; 2 bf16 D 256; 3 bf16 D 128, 16 queries
+    const int shape = rep % 4;
+    // 0 bf16 D 128; 1 f16 D 64, f32 out; 2 bf16 D 256; 3 bf16 D 128, 4 queries (rep 3) or 16 (rep 7)
     const bool poisoned = rep >= 6;
     CaseSpec spec;
     spec.format = rep % 2 ? Format::block_lists : Format::all_blocks;
@@ -228,7 +231,7 @@ TEST(GpuDecode, SplitsMergeInClusters) {
     spec.hq = 8;
     spec.hkv = 2;
     spec.sparsity_heads = 2;
-    spec.max_seqlen_q = shape == 3 ? 16 : 1;
+    spec.max_seqlen_q = shape == 3 ? (rep == 3 ? 4 : 16) : 1;
     spec.exact_seqlen_q = shape == 3;
     spec.batch = 1;
     spec.mask = rep % 3 == 0 ? 1 : 0;

@@ -32,8 +32,9 @@ struct DecodeGeometry {
   ElementType result_type = ElementType::bf16;
   std::int32_t* split_arrivals = nullptr;  // with splits: per (route row, head group), zero between launches
   // With splits: the kv_splits CTAs of a (route row, head group) form a cluster and merge through
-  // distributed shared memory (merge_cluster_splits); else through the workspace (merge_splits).
-  // Chosen at launch (launch.cuh) where such clusters all fit on the device at once.
+  // distributed shared memory (push_partial, merge_cluster_splits); else through the workspace
+  // (merge_splits). Chosen at launch (launch.cuh) where such clusters all fit on the device at once
+  // and each merging CTA's parts fit its inbox.
   int cluster_merge = 0;
 };
 
@@ -70,8 +71,8 @@ struct OutputShift {
 // workspace (merge_splits): once a warpgroup has stored its split's partial O and LSE, it counts
 // its arrival for the (route row, head group) `job.unit`; the last of the kv_splits to arrive
 // merges every split's rows into the result and sets the count back to zero for the next launch.
-// In a cluster (merge_cluster_splits): the splits keep their rows in shared memory and merge them
-// together after a cluster barrier. Both merge by merge::Accumulator, the rules of merge_states,
+// In a cluster (push_partial, merge_cluster_splits): each split pushes its rows into the shared
+// memory of the CTA that merges them. Both merge by merge::Accumulator, the rules of merge_states,
 // in batches of splits. This replaced a merge_states launch after the kernel: 7 us of a 42 us
 // B = 1 decode step on the H200, mostly its launch and four tiny blocks' dependent loads.
 // Rows past the sequence end are neither partial nor merged.
@@ -223,35 +224,33 @@ __device__ __forceinline__ void merge_splits(const AttentionParams& a, const Dec
 
 // ---------------------------------------------------------------- merge in a cluster
 // With `cluster_merge` the kv_splits CTAs of a (route row, head group) are one cluster (CTA rank
-// = split) and each keeps its partial rows in its own shared memory: O in fp32 in its V stages
-// (free once the tile's last PV has completed; a split-KV CTA has one tile) as [64 tile rows]
-// [kHeadDim] with each row's 32-byte groups permuted by (row % 8) (the fragment writes of 8 rows
-// and the merge's row reads are free of bank conflicts), LSE in the kernel's `split_lse`. After a cluster
-// barrier the CTAs' warps share the merged rows and read the splits' rows from their peers
-// (ld.shared::cluster); a second barrier keeps every CTA's shared memory until its peers have
-// read it. No workspace store, arrival atomic or load through L2: the 1.2 + 1.0 + 1.65 us tail
-// of the workspace merge (decode_timeline.py, 2026-12-02).
-__device__ __forceinline__ int partial_offset(int row, int col) {  // in floats; col % 4 == 0 for a float4
-  return ((col >> 3) ^ (row & 7)) << 3 | (col & 7);
-}
+// = split). Row k of the tile's rows inside the sequence (in merge order: packed head, then token)
+// is merged by the CTA of rank k % splits, its owner, from an inbox in the owner's shared memory:
+// each split pushes its normalised fp32 row and LSE there with st.async, which completes on the
+// owner's mbarrier (armed by the owner with the bytes it expects), and goes on; the owner waits for
+// its barrier and merges from its own shared memory. So no cluster barrier follows the loop and no
+// load leaves the multiprocessor. The pull merge this replaced (each split kept its rows, a cluster
+// barrier, the merging warps read the peers' rows, a second barrier so that no CTA left while read)
+// spent ~3.5 us of a 21 us step after the last split's loop (bench/RESULTS.md, 2026-12-04 16:1x).
+// The one cluster barrier left is split: every thread arrives right after the barrier setup, and
+// a consumer waits before its first push, long after, so that every owner's barrier is initialised.
+template <int kHeadDim, int kParts>
+struct MergeInbox {
+  float o[kParts][kHeadDim];  // part j * splits + s: split s's row of the owner's j-th row
+  float lse[kParts];
+  alignas(8) std::uint64_t full;  // completes when every split's parts of the owner's rows landed
+};
 
-// One warpgroup's normalised partial O (rowcol view `o`, coordinates `c`) and LSE of the rows
-// inside the sequence, into this CTA's buffers.
-template <int kHeadDim, class TO, class TC, int kRows>
-__device__ __forceinline__ void keep_partial(const TO& o, const TC& c, const float (&lse)[kRows], float* buffer,
-                                             float* lse_buffer, const route::SeqInfo& si, int q_begin,
-                                             TileRows<true> rows) {
-  CUTE_UNROLL
-  for (int i = 0; i < size<0>(o); ++i) {
-    const int r = get<0>(c(i, 0));
-    if (q_begin + rows.token(r) >= si.seqlen_q) continue;
-    float* dst = buffer + r * kHeadDim;
-    CUTE_UNROLL
-    for (int j = 0; j < size<1>(o); j += 2)
-      *reinterpret_cast<float2*>(dst + partial_offset(r, get<1>(c(i, j)))) = make_float2(o(i, j), o(i, j + 1));
-    if ((threadIdx.x % 4) == 0) lse_buffer[r] = lse[i];
+// The tile's rows inside the sequence, in merge order.
+struct MergeRows {
+  int per_head, count;
+  __device__ __forceinline__ MergeRows(const route::SeqInfo& si, int q_begin, int tokens, int packed_heads)
+      : per_head(min(tokens, si.seqlen_q - q_begin)), count(per_head * packed_heads) {}
+  // The rows rank `split` of `splits` owns.
+  __device__ __forceinline__ int owned(int split, int splits) const {
+    return count > split ? (count - split + splits - 1) / splits : 0;
   }
-}
+};
 
 __device__ __forceinline__ unsigned peer_address(const void* local, int rank) {
   unsigned remote;
@@ -261,51 +260,88 @@ __device__ __forceinline__ unsigned peer_address(const void* local, int rank) {
   return remote;
 }
 
-// The splits' rows in their CTAs' shared memory (split s: cluster rank s).
-struct ClusterParts {
-  const float* row;  // tile row `r` of this CTA's buffer (at the same offset in every CTA)
-  int r;
-  const float* lse_at;
-  int lane;
+__device__ __forceinline__ void st_async(unsigned remote, float2 v, unsigned remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n" ::"r"(remote),
+               "f"(v.x), "f"(v.y), "r"(remote_bar)
+               : "memory");
+}
+__device__ __forceinline__ void st_async(unsigned remote, float v, unsigned remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n" ::"r"(remote), "f"(v),
+               "r"(remote_bar)
+               : "memory");
+}
+
+// One warpgroup's normalised partial O (rowcol view `o`, coordinates `c`) and LSE of the rows
+// inside the sequence, into their owners' inboxes; before that, thread 0 arms this CTA's inbox
+// with the bytes of the rows it owns.
+template <int kHeadDim, int kParts, class TO, class TC, int kRows>
+__device__ __forceinline__ void push_partial(const TO& o, const TC& c, const float (&lse)[kRows],
+                                             MergeInbox<kHeadDim, kParts>& inbox, const DecodeGeometry& g,
+                                             const route::SeqInfo& si, int q_begin, TileRows<true> tile_rows,
+                                             int wg_tid) {
+  const int splits = g.kv_splits, split = static_cast<int>(cute::block_rank_in_cluster());
+  const MergeRows rows(si, q_begin, tile_rows.tokens(), g.packed_heads);
+  if (wg_tid == 0) {
+    const unsigned bytes = rows.owned(split, splits) * splits * (kHeadDim + 1) * sizeof(float);
+    const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&inbox.full));
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+  }
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");  // every owner's inbox is initialised
+  CUTE_UNROLL
+  for (int i = 0; i < size<0>(o); ++i) {
+    const int r = get<0>(c(i, 0)), token = tile_rows.token(r);
+    if (token >= rows.per_head) continue;
+    const int k = tile_rows.head(r) * rows.per_head + token, owner = k % splits, part = (k / splits) * splits + split;
+    const unsigned dst = peer_address(&inbox.o[part][0], owner), bar = peer_address(&inbox.full, owner);
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(o); j += 2)
+      st_async(dst + get<1>(c(i, j)) * sizeof(float), make_float2(o(i, j), o(i, j + 1)), bar);
+    if ((threadIdx.x % 4) == 0) st_async(peer_address(&inbox.lse[part], owner), lse[i], bar);
+  }
+}
+
+// The parts of one owned row in this CTA's inbox.
+struct InboxParts {
+  const float* o_at;    // split 0's part, at the lane's first column
+  const float* lse_at;  // split 0's LSE
+  int o_step;
   __device__ __forceinline__ float4 o4(int s, int c) const {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(peer_address(row + partial_offset(r, lane * 4 + 128 * c), s)));
-    return v;
+    return *reinterpret_cast<const float4*>(o_at + s * o_step + 128 * c);
   }
-  __device__ __forceinline__ float lse(int s) const {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(peer_address(lse_at, s)));
-    return v;
-  }
+  __device__ __forceinline__ float lse(int s) const { return lse_at[s]; }
 };
 
-template <int kHeadDim>
+// The rows this CTA owns, merged into the result once every split's parts have landed: a warp per row.
+template <int kHeadDim, int kParts>
 __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& a, const DecodeGeometry& g,
-                                                     const SplitMerge& job, const float* buffer,
-                                                     const float* lse_buffer, int tokens, int wg_tid,
+                                                     const SplitMerge& job, MergeInbox<kHeadDim, kParts>& inbox,
+                                                     int tokens, int wg_tid, int barrier_id,
                                                      std::uint64_t* timeline = nullptr) {
-  cluster_sync_threads();  // every split's partial rows are in its CTA's shared memory
+  barrier_sync(barrier_id, 128);  // the job, written by the warpgroup's first thread in the epilogue
+  if (!job.pending) return;
+  const int splits = g.kv_splits, split = static_cast<int>(cute::block_rank_in_cluster());
+  const route::SeqInfo si = job.si;
+  const MergeRows rows(si, job.q_begin, tokens, g.packed_heads);
+  const int owned = rows.owned(split, splits);
+  if (owned == 0) return;
+  const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&inbox.full));
+  // Acquire at cluster scope: the complete_tx of the peers' st.async releases at that scope.
+  asm volatile(
+      "{\n.reg .pred done;\nwait:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], 0;\n"
+      "@!done bra wait;\n}\n" ::"r"(bar)
+      : "memory");
   timeline_mark(timeline, kSplitArrived);
-  if (job.pending) {
-    const route::SeqInfo si = job.si;
-    const int b = job.b, h = job.head, q_begin = job.q_begin;
-    const int rows_per_head = min(tokens, si.seqlen_q - q_begin), rows = rows_per_head * (64 / tokens);
-    const int lane = wg_tid % 32, warps = 4 * g.kv_splits;
-    const bool varlen = a.route.varlen_q;
-    // The cluster's warps take the rows in turn, so that the few rows of a step merge on several
-    // multiprocessors at once.
-    for (int k = static_cast<int>(cute::block_rank_in_cluster()) * 4 + wg_tid / 32; k < rows; k += warps) {
-      const int token = k % rows_per_head, packed = k / rows_per_head, r = packed * tokens + token;
-      const ClusterParts parts{buffer + r * kHeadDim, r, lse_buffer + r, lane};
-      const MergedRow<kHeadDim> merged(parts, g.kv_splits, lane);
-      const int q = q_begin + token;
-      merged.store(g, varlen ? 0 : b, varlen ? si.q_base + q : q, h + packed, lane);
-    }
+  const int lane = wg_tid % 32;
+  const bool varlen = a.route.varlen_q;
+  for (int j = wg_tid / 32; j < owned; j += 4) {
+    const int k = j * splits + split, token = k % rows.per_head, packed = k / rows.per_head;
+    const InboxParts parts{&inbox.o[j * splits][lane * 4], &inbox.lse[j * splits], kHeadDim};
+    const MergedRow<kHeadDim> merged(parts, splits, lane);
+    const int q = job.q_begin + token;
+    merged.store(g, varlen ? 0 : job.b, varlen ? si.q_base + q : q, job.head + packed, lane);
   }
   timeline_mark(timeline, kSplitMerged);
-  cluster_sync_threads();  // the peers have read this CTA's rows
 }
 
 }  // namespace bsattn::gpu::fwd

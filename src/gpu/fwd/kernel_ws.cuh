@@ -60,14 +60,24 @@ struct WsConfig {
     static_assert(register_split_fits(kProducerThreads, kProducer, T::kThreads, kConsumer, T::kCtasPerSm),
                   "the consumers' registers exceed the CTA's allocation");
   };
-  struct Smem {
+  struct SmemCore {
     typename T::SharedStorage tiles;
     PipelineBarriers<T::kStages, T::kWarpgroups> bars;
     Tile tile[2];  // work tiles handed from the tile warp to the loader and consumers (slot t % 2: tile t)
     SplitMerge split_merge;  // decode split-KV: the tile's merge job (merge_splits)
-    float split_lse[T::kDecode ? 64 : 1];  // decode split-KV in a cluster: the tile rows' LSE (merge_cluster_splits)
     float softmax_pin[kConsumerWarps];  // written, never read: keeps the softmax ahead of the PV wait (steady_step)
   };
+  // Decode kernels: the inbox of the split merge in a cluster (decode.cuh), as many (row, split)
+  // parts as the shared memory left allows (per CTA 227 KB, or 112 KB with two per SM), at most 64.
+  static constexpr int kSmemLimit = (T::kCtasPerSm == 2 ? 112 : 226) * 1024;  // sizeof(Smem); + 1024 alignment
+  static constexpr int kInboxParts =
+      T::kDecode ? cute::min(64, static_cast<int>((kSmemLimit - sizeof(SmemCore) - 64) / ((T::kHeadDim + 1) * 4)))
+                 : 1;
+  struct NoInbox {};
+  struct Smem : SmemCore {
+    std::conditional_t<T::kDecode, MergeInbox<T::kHeadDim, kInboxParts>, NoInbox> inbox;
+  };
+  static_assert(!T::kDecode || kInboxParts >= 16, "a one-query step's parts fit the inbox (launch.cuh)");
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
   static_assert(T::kCtasPerSm == 1 || 2 * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs' shared memory per SM");
 };
@@ -122,12 +132,15 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
       Barrier::init(&bars.full_q[wg], tma ? 1 : 32);  // the tile warp's lane 0 or lanes
       Barrier::init(&bars.empty_q[wg], 4);  // the warpgroup's warps
     }
+    if constexpr (T::kDecode) Barrier::init(&sm.inbox.full, 1);  // its owner's expect_tx (push_partial)
     cutlass::arch::fence_barrier_init();
     sm.tile[0].written = sm.tile[1].written = 0;
     sm.split_merge.pending = 0;
   }
   if constexpr (kPair) cluster_sync_threads();  // the peer's barriers are initialised before any use
   else __syncthreads();
+  // A split merge in a cluster: the barrier whose wait precedes the first push (decode.cuh).
+  if (T::kDecode && desc.decode.cluster_merge) asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
   if (tid == 0) timeline_mark(desc.timeline, kBarriersReady);
   // A decode launch may start before route preparation has finished (programmatic dependent
   // launch, launch.cuh): nothing the preparation writes is read before this wait (elsewhere a
@@ -421,11 +434,15 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
         stage = reinterpret_cast<char*>(wg == 0 ? st.k + (last % kStages) * kBlockN * kHeadDim
                                                 : st.v + (last % kStages) * kBlockN * kHeadDim);
       }
-      if (T::kDecode && desc.decode.cluster_merge) {
-        // The last PV has completed: the V stages are free (a split-KV CTA has one tile).
-        keep_partial<kHeadDim>(o_rc, co_rc, lse, reinterpret_cast<float*>(st.v), sm.split_lse, out_si, q_begin,
-                               TileRows<true>{desc.decode.tokens_log2});
-      } else {
+      bool pushed = false;  // a split's partial rows, to the CTAs that merge them (decode.cuh)
+      if constexpr (T::kDecode) {
+        if (desc.decode.cluster_merge) {
+          push_partial(o_rc, co_rc, lse, sm.inbox, desc.decode, out_si, q_begin,
+                       TileRows<true>{desc.decode.tokens_log2}, wg_tid);
+          pushed = true;
+        }
+      }
+      if (!pushed) {
         // Thread 0's coordinates: what the epilogue may fold at compile time (epilogue.cuh).
         Tensor tOcO0 = mma_pv.get_thread_slice(0).partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
         Tensor co_rc0 = make_tensor(tOcO0.data(), acc_rowcol(tOcO0.layout()));
@@ -451,12 +468,10 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
   }
   warpgroup_wait<0>();  // a discarded S GEMM after the last tile
   if constexpr (T::kDecode) {
-    static_assert(sizeof(st.v) >= 64 * kHeadDim * sizeof(float), "a split's partial O is kept in the V stages");
     const int tokens = TileRows<true>{desc.decode.tokens_log2}.tokens();
     if (desc.decode.cluster_merge)
-      merge_cluster_splits<kHeadDim>(a, desc.decode, sm.split_merge, reinterpret_cast<const float*>(st.v),
-                                     sm.split_lse, tokens, opaque_thread_index() % 128,
-                                     marker ? desc.timeline : nullptr);
+      merge_cluster_splits(a, desc.decode, sm.split_merge, sm.inbox, tokens, opaque_thread_index() % 128, wg_barrier,
+                           marker ? desc.timeline : nullptr);
     else if (desc.decode.kv_splits > 1)
       merge_splits<kHeadDim>(a, desc.decode, sm.split_merge, tokens, opaque_thread_index() % 128, wg_barrier,
                              marker ? desc.timeline : nullptr);

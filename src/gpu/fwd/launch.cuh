@@ -51,7 +51,7 @@ int resident_pairs(int device, int sms) {
   return pairs;
 }
 
-// Decode split-KV merged in clusters (decode.cuh merge_cluster_splits): a cluster holds the
+// Decode split-KV merged in clusters (decode.cuh, push_partial / merge_cluster_splits): a cluster holds the
 // kv_splits CTAs of a (route row, head group), up to 16 (above 8 a non-portable size, where the
 // device allows it). How many such clusters of kernel T fit on `device` at once, by cluster size:
 // a host-side occupancy query per size, made at plan time and kept per device. A launch merges
@@ -140,9 +140,14 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
     return !(v && v[0] == '0');
   }();
   if constexpr (T::kDecode) {
-    const int units = items / std::max(1, decode.kv_splits);
-    desc.decode.cluster_merge =
-        cluster_switch && decode.kv_splits > 1 && resident_decode_clusters<T>(device, decode.kv_splits) >= units;
+    // A cluster merge also needs each owner's parts (its rows x the splits) to fit its inbox
+    // (decode.cuh): one-query steps always do, a 64-row tile of many queries not on every kernel.
+    const int units = items / std::max(1, decode.kv_splits), splits = std::max(1, decode.kv_splits);
+    const int tokens = 1 << desc.decode.tokens_log2;
+    const int rows = std::min(tokens, a->route.max_seqlen_q) * (64 / tokens);
+    const int parts = (rows + splits - 1) / splits * splits;
+    desc.decode.cluster_merge = cluster_switch && splits > 1 && parts <= C::kInboxParts &&
+                                resident_decode_clusters<T>(device, splits) >= units;
   }
   desc.timeline = timeline_buffer();
   static const bool no_tma = std::getenv("BSATTN_GPU_NO_TMA") != nullptr;
