@@ -6,9 +6,10 @@
 // row r is token r % T of head r / T (the order a TMA box {D 64, T tokens, P heads} lands in
 // shared memory), so each K/V tile is read once per P heads. When (route rows x head groups) do
 // not fill the multiprocessors, each is split into `kv_splits` work items over its routes
-// (split-KV); their fp32 partial O and LSE go to a workspace, and the last split of a (route row,
-// head group) to finish combines them (merge_splits). Everything else — producer, pipeline, mask,
-// softmax, epilogue — is the prefill kernel's.
+// (split-KV), whose fp32 partial O and LSE are merged in the kernel: pushed into the shared memory
+// of the cluster CTA that merges them (push_partial, merge_cluster_splits), or through a workspace
+// by the last split to finish (merge_splits). Everything else — producer, pipeline, mask, softmax,
+// epilogue — is the prefill kernel's.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
