@@ -165,7 +165,7 @@ TEST(GpuDecode, StepWithRoutesFromLengths) {
     }
 }
 
-// The split merge (decode.cuh merge_splits) takes the splits in batches of 16, a warp per row:
+// The split merge (split_merge.cuh merge_splits) takes the splits in batches of 16, a warp per row:
 // one sequence long enough for 30 to 66 splits (two to five batches, the last one partial), every
 // block (routes from the lengths) and block lists (route preparation), D 64 / 128 / 256, f32 and
 // 16-bit outputs. Then a NaN or an infinity in one K element of KV head 0: the CPU engine's
@@ -206,7 +206,7 @@ TEST(GpuDecode, ManySplitsMergeInBatches) {
   EXPECT_GT(non_finite, 0u) << "no poisoned element reached a row";
 }
 
-// Splits that merge in a cluster (decode.cuh push_partial / merge_cluster_splits: 2 to 16 splits
+// Splits that merge in a cluster (split_merge.cuh push_partial / merge_cluster_splits: 2 to 16 splits
 // whose clusters all fit at once; on the H200 up to 7 clusters of 16 CTAs of one per SM): one
 // sequence of 2 head groups, so every split count up to 16 fits. These short steps (4-5 routes of
 // 128 per split) run 64-wide routes on the decode kernel of two CTAs per SM. Row counts 4 (1 query

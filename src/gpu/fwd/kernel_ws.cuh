@@ -27,6 +27,7 @@
 #include "gpu/fwd/proxy.cuh"
 #include "gpu/fwd/scheduler.cuh"
 #include "gpu/fwd/softmax.cuh"
+#include "gpu/fwd/split_merge.cuh"
 #include "gpu/fwd/timeline.cuh"
 #include "gpu/fwd/traits.cuh"
 
@@ -67,7 +68,7 @@ struct WsConfig {
     SplitMerge split_merge;  // decode split-KV: the tile's merge job (merge_splits)
     float softmax_pin[kConsumerWarps];  // written, never read: keeps the softmax ahead of the PV wait (steady_step)
   };
-  // Decode kernels: the inbox of the split merge in a cluster (decode.cuh), as many (row, split)
+  // Decode kernels: the inbox of the split merge in a cluster (split_merge.cuh), as many (row, split)
   // parts as the shared memory left allows (per CTA 227 KB, or 112 KB with two per SM), at most 64.
   static constexpr int kSmemLimit = (T::kCtasPerSm == 2 ? 112 : 226) * 1024;  // sizeof(Smem); + 1024 alignment
   static constexpr int kInboxParts =
@@ -139,7 +140,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
   }
   if constexpr (kPair) cluster_sync_threads();  // the peer's barriers are initialised before any use
   else __syncthreads();
-  // A split merge in a cluster: the barrier whose wait precedes the first push (decode.cuh).
+  // A split merge in a cluster: the barrier whose wait precedes the first push (split_merge.cuh).
   if (T::kDecode && desc.decode.cluster_merge) asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
   if (tid == 0) timeline_mark(desc.timeline, kBarriersReady);
   // A decode launch may start before route preparation has finished (programmatic dependent
@@ -434,7 +435,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
         stage = reinterpret_cast<char*>(wg == 0 ? st.k + (last % kStages) * kBlockN * kHeadDim
                                                 : st.v + (last % kStages) * kBlockN * kHeadDim);
       }
-      bool pushed = false;  // a split's partial rows, to the CTAs that merge them (decode.cuh)
+      bool pushed = false;  // a split's partial rows, to the CTAs that merge them (split_merge.cuh)
       if constexpr (T::kDecode) {
         if (desc.decode.cluster_merge) {
           push_partial(o_rc, co_rc, lse, sm.inbox, desc.decode, out_si, q_begin,

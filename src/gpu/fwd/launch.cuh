@@ -51,7 +51,7 @@ int resident_pairs(int device, int sms) {
   return pairs;
 }
 
-// Decode split-KV merged in clusters (decode.cuh, push_partial / merge_cluster_splits): a cluster holds the
+// Decode split-KV merged in clusters (split_merge.cuh, push_partial / merge_cluster_splits): a cluster holds the
 // kv_splits CTAs of a (route row, head group), up to 16 (above 8 a non-portable size, where the
 // device allows it). How many such clusters of kernel T fit on `device` at once, by cluster size:
 // a host-side occupancy query per size, made at plan time and kept per device. A launch merges
@@ -141,7 +141,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
   }();
   if constexpr (T::kDecode) {
     // A cluster merge also needs each owner's parts (its rows x the splits) to fit its inbox
-    // (decode.cuh): one-query steps always do, a 64-row tile of many queries not on every kernel.
+    // (split_merge.cuh): one-query steps always do, a 64-row tile of many queries not on every kernel.
     const int units = items / std::max(1, decode.kv_splits), splits = std::max(1, decode.kv_splits);
     const int tokens = 1 << desc.decode.tokens_log2;
     const int rows = std::min(tokens, a->route.max_seqlen_q) * (64 / tokens);
@@ -156,7 +156,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
   // BSATTN_GPU_CTA_PER_TILE=1 launches one CTA per work item instead, BSATTN_GPU_ONE_CTA_PER_SM=1
   // one CTA per multiprocessor whatever the kernel (measurement switches). A
   // split-KV decode launch always has one CTA per item: its merge runs after the tile loop from a
-  // single job (decode.cuh, merge_splits); the plan chooses splits so that the items fit the SMs.
+  // single job (split_merge.cuh, merge_splits); the plan chooses splits so that the items fit the SMs.
   static const bool cta_per_tile_switch = std::getenv("BSATTN_GPU_CTA_PER_TILE") != nullptr;
   static const bool one_cta_per_sm = std::getenv("BSATTN_GPU_ONE_CTA_PER_SM") != nullptr;
   const int resident = one_cta_per_sm ? sms : sms * T::kCtasPerSm;
