@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
   if constexpr (kPair) cluster_sync_threads();  // the peer's barriers are initialised before any use
   else __syncthreads();
   // A split merge in a cluster: the barrier whose wait precedes the first push (split_merge.cuh).
-  if (T::kDecode && desc.decode.cluster_merge) asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+  if (T::kDecode && desc.decode.cluster_merge) cluster_arrive();
   if (tid == 0) timeline_mark(desc.timeline, kBarriersReady);
   // A decode launch may start before route preparation has finished (programmatic dependent
   // launch, launch.cuh): nothing the preparation writes is read before this wait (elsewhere a

@@ -128,17 +128,6 @@ __device__ __forceinline__ void tma_load_4d_multicast(void* smem, const CUtensor
       : "memory");
 }
 
-__device__ __forceinline__ void arrive_expect_tx(std::uint64_t* bar, unsigned bytes) {
-  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(m), "r"(bytes) : "memory");
-}
-
-// Raises the stage's expected transaction bytes without arriving (the arrival comes later).
-__device__ __forceinline__ void expect_tx(std::uint64_t* bar, unsigned bytes) {
-  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(m), "r"(bytes) : "memory");
-}
-
 // One K or V tile of a route into `stage`: D/64 boxes of 64 x kBlockN (128-byte swizzle, the layout
 // the wgmma descriptors read). With pair multicast this CTA loads its half of the tokens (boxes of
 // 64 x kBlockN/2, 8 KB apart: the swizzle pattern is unchanged) into both CTAs of the pair.

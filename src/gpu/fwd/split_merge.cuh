@@ -199,25 +199,6 @@ struct MergeRows {
   }
 };
 
-__device__ __forceinline__ unsigned peer_address(const void* local, int rank) {
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
-               : "=r"(remote)
-               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(local))), "r"(rank));
-  return remote;
-}
-
-__device__ __forceinline__ void st_async(unsigned remote, float2 v, unsigned remote_bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n" ::"r"(remote),
-               "f"(v.x), "f"(v.y), "r"(remote_bar)
-               : "memory");
-}
-__device__ __forceinline__ void st_async(unsigned remote, float v, unsigned remote_bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n" ::"r"(remote), "f"(v),
-               "r"(remote_bar)
-               : "memory");
-}
-
 // One warpgroup's normalised partial O (rowcol view `o`, coordinates `c`) and LSE of the rows
 // inside the sequence, into their owners' inboxes; before that, thread 0 arms this CTA's inbox
 // with the bytes of the rows it owns.
@@ -228,12 +209,8 @@ __device__ __forceinline__ void push_partial(const TO& o, const TC& c, const flo
                                              int wg_tid) {
   const int splits = g.kv_splits, split = static_cast<int>(cute::block_rank_in_cluster());
   const MergeRows rows(si, q_begin, tile_rows.tokens(), g.packed_heads);
-  if (wg_tid == 0) {
-    const unsigned bytes = rows.owned(split, splits) * splits * (kHeadDim + 1) * sizeof(float);
-    const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&inbox.full));
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-  }
-  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");  // every owner's inbox is initialised
+  if (wg_tid == 0) arrive_expect_tx(&inbox.full, rows.owned(split, splits) * splits * (kHeadDim + 1) * sizeof(float));
+  cluster_wait();  // every owner's inbox is initialised (the kernel's setup arrived)
   CUTE_UNROLL
   for (int i = 0; i < size<0>(o); ++i) {
     const int r = get<0>(c(i, 0)), token = tile_rows.token(r);
@@ -271,13 +248,7 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& a, c
   const MergeRows rows(si, job.q_begin, tokens, g.packed_heads);
   const int owned = rows.owned(split, splits);
   if (owned == 0) return;
-  const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&inbox.full));
-  // Acquire at cluster scope: the complete_tx of the peers' st.async releases at that scope.
-  asm volatile(
-      "{\n.reg .pred done;\nwait:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], 0;\n"
-      "@!done bra wait;\n}\n" ::"r"(bar)
-      : "memory");
+  wait_cluster_release(&inbox.full, 0);
   timeline_mark(timeline, kSplitArrived);
   const int lane = wg_tid % 32;
   const bool varlen = a.route.varlen_q;

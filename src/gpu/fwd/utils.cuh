@@ -90,9 +90,53 @@ __device__ __forceinline__ void barrier_arrive(int id, int threads) {
   asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Cluster-wide barrier, per thread (not .aligned: threads of a warp may arrive apart).
+// Cluster-wide barrier, per thread (not .aligned: threads of a warp may arrive apart), whole or
+// in its two halves (arrive early, wait late).
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_sync_threads() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+  cluster_arrive();
+  cluster_wait();
+}
+
+// mbarrier transaction bytes: arrive and expect them, or only expect them (the arrival comes later).
+__device__ __forceinline__ void arrive_expect_tx(std::uint64_t* bar, unsigned bytes) {
+  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(m), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void expect_tx(std::uint64_t* bar, unsigned bytes) {
+  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(m), "r"(bytes) : "memory");
+}
+// Waits for `phase` of a barrier whose completion other CTAs of the cluster release (st.async's
+// complete_tx releases at cluster scope; the default wait acquires at CTA scope only).
+__device__ __forceinline__ void wait_cluster_release(std::uint64_t* bar, int phase) {
+  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile(
+      "{\n.reg .pred done;\nwait:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait;\n}\n" ::"r"(m), "r"(phase)
+      : "memory");
+}
+
+// Distributed shared memory: this CTA's shared address `local` in the CTA of cluster rank `rank`,
+// and stores there that complete on that CTA's mbarrier (`remote_bar`, a mapped address too).
+__device__ __forceinline__ unsigned peer_address(const void* local, int rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(remote)
+               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(local))), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ void st_async(unsigned remote, float2 v, unsigned remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n" ::"r"(remote),
+               "f"(v.x), "f"(v.y), "r"(remote_bar)
+               : "memory");
+}
+__device__ __forceinline__ void st_async(unsigned remote, float v, unsigned remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n" ::"r"(remote), "f"(v),
+               "r"(remote_bar)
+               : "memory");
 }
 
 // Whether a warp-specialised CTA's register split can be reached by setmaxnreg: registers move
