@@ -28,7 +28,7 @@ namespace bsattn::gpu::fwd {
 // top of it spilled (146-224 bytes). A split-KV launch has one CTA per work item, so a CTA has at
 // most one job.
 struct SplitMerge {
-  int pending;  // the epilogue stored (or kept) a split's partial result
+  int pending;  // the epilogue stored (or pushed) a split's partial result
   int last;     // workspace merge: its arrival was the last one, this warpgroup merges
   int unit, b, head, q_begin;
   route::SeqInfo si;
