@@ -142,7 +142,7 @@ cudaError_t launch_forward_ws(const AttentionParams* a, const TokenExtents& exte
   if constexpr (T::kDecode) {
     // A cluster merge also needs each owner's parts (its rows x the splits) to fit its inbox
     // (split_merge.cuh): one-query steps always do, a 64-row tile of many queries not on every kernel.
-    const int units = items / std::max(1, decode.kv_splits), splits = std::max(1, decode.kv_splits);
+    const int splits = std::max(1, decode.kv_splits), units = items / splits;
     const int tokens = 1 << desc.decode.tokens_log2;
     const int rows = std::min(tokens, a->route.max_seqlen_q) * (64 / tokens);
     const int parts = (rows + splits - 1) / splits * splits;
