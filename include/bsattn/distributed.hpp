@@ -15,16 +15,23 @@
 // The exchange overlaps the attention: the transfers are posted, the pairs whose key chunk the
 // rank holds run while they travel, then the received chunks' pairs, each chunk once it landed.
 //
-// attention_backward() gives the gradients of the same scheme. Both run on the CPU engine
-// (Device::cpu tensors); the ranks talk through a Transport,
-// e.g. LocalGroup's threads of one process. On GPUs, use Python's bsattn.distributed (over
-// torch.distributed with NCCL); a C++ NCCL transport is not written yet.
+// attention_backward() gives the gradients of the same scheme.
+//
+// Devices. The tensors' device (problem.device) decides where a call runs. Device::cpu: the CPU
+// engine, and the call returns when done. Device::cuda: the GPU kernels on `stream`. The call
+// waits for the GPU to read the block mask (which chunks are used is host knowledge), in the
+// transport's all_gather, and at its end, when the pair plans free their workspaces (cudaFree);
+// the rest is enqueued on `stream` in order. Its buffers are stream-ordered allocations on
+// `stream`, freed in stream order. The transport moves the
+// memory of the tensors' device: LocalGroup either kind (threads of one process, e.g. ranks
+// sharing one GPU in tests), nccl_transport() (distributed_nccl.hpp, library bsattn::nccl) device
+// memory over NCCL, one rank per GPU.
 #pragma once
 #include <cstddef>
 #include <memory>
 #include <vector>
 
-#include "bsattn/problem.hpp"
+#include "bsattn/plan.hpp"
 
 namespace bsattn::distributed {
 
@@ -41,8 +48,18 @@ class Transport {
     void* data;
     std::size_t bytes;
   };
-  // Posted transfers. wait(i) returns once receive i has landed in its buffer; the destructor
-  // returns once every send and receive has completed (the send buffers may be reused then).
+  // Where a post's buffers live: host memory, or device memory of GPU `device_index` whose
+  // contents are ready in the order of `stream` (a cudaStream_t) when post() is called.
+  struct Memory {
+    Device device = Device::cpu;
+    int device_index = 0;
+    Stream stream = nullptr;
+  };
+  // Posted transfers. Host memory: wait(i) returns once receive i has landed in its buffer, and
+  // the destructor once every send and receive has completed. Device memory: after wait(i), work
+  // enqueued on the post's stream sees receive i (the call may return before it landed); after
+  // the destructor, that stream is ordered after every send and receive (buffers may be reused or
+  // freed in stream order).
   class Exchange {
    public:
     virtual ~Exchange() = default;
@@ -56,11 +73,13 @@ class Transport {
   // Posts every send and receive and returns without waiting for them. The messages from one rank
   // to another are matched in the order both post them. The buffers stay valid until the
   // Exchange is destroyed.
-  virtual std::unique_ptr<Exchange> post(const std::vector<Send>& sends, const std::vector<Receive>& receives) = 0;
+  virtual std::unique_ptr<Exchange> post(const std::vector<Send>& sends, const std::vector<Receive>& receives,
+                                         const Memory& memory) = 0;
 };
 
-// `world` ranks that are threads of one process: transport(r) is rank r's (host memory; each
-// transport is used by one thread at a time). Messages are copied when sent.
+// `world` ranks that are threads of one process: transport(r) is rank r's (each transport is used
+// by one thread at a time). Messages are copied into a host mailbox when sent (device memory: once
+// the sender's stream has reached the post) and out of it when waited for.
 class LocalGroup {
  public:
   explicit LocalGroup(int world);
@@ -95,11 +114,13 @@ struct Stats {
 // `block_mask`'s Bs and Hs. q [B, S_local, Hq, D], k and v [B, S_local, Hkv, D]; block_mask
 // uint32 [Bs, Hs, S_local / Bq, ceil(S / Bk / 32)] (this rank's query blocks in its local order x
 // the global key blocks, bit j % 32 of word j / 32 keeps block j), undefined with all_blocks; out [B, S_local, Hq, D] of
-// local.out_dtype, lse f32 [B, Hq, S_local] (may be left undefined). Throws bsattn::Error naming the
+// local.out_dtype, lse f32 [B, Hq, S_local] (may be left undefined). Every tensor on local.device
+// (block_mask may also be on the host); on a GPU each token's heads are contiguous in K and V
+// (stride[2] == D: a chunk travels as one copy per batch). Throws bsattn::Error naming the
 // argument before anything is sent when the shapes or the layout do not fit.
 Stats attention(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
                 const TensorView& k, const TensorView& v, const TensorView& block_mask, const TensorView& out,
-                const TensorView& lse);
+                const TensorView& lse, Stream stream = nullptr);
 
 // This rank's gradients of attention() for the loss gradient `dout` ([B, S_local, Hq, D], O's
 // dtype): dq [B, S_local, Hq, D], dk and dv [B, S_local, Hkv, D], each f32 or the inputs' dtype,
@@ -108,9 +129,10 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
 // pair's single-process backward (Plan::run_backward on the pair, with the whole rows' O and LSE,
 // which makes the pair's share of every gradient exact) adds to dQ here and to the key chunk's
 // dK, dV, which go back to the chunk's owner and are summed there (fp32 throughout, rounded once).
+// On a GPU the backward's own rules hold (backward.hpp: f16 / bf16, out_dtype = dtype).
 Stats attention_backward(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
                          const TensorView& k, const TensorView& v, const TensorView& block_mask,
                          const TensorView& out, const TensorView& lse, const TensorView& dout, const TensorView& dq,
-                         const TensorView& dk, const TensorView& dv);
+                         const TensorView& dk, const TensorView& dv, Stream stream = nullptr);
 
 }  // namespace bsattn::distributed

@@ -20,3 +20,6 @@ step(${CMAKE_COMMAND} -S "${CONSUMER_DIR}" -B "${WORK_DIR}/build" -G "${GENERATO
      -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX_COMPILER} "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" ${cuda_hint})
 step(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 step("${WORK_DIR}/build/consumer")
+if(EXISTS "${WORK_DIR}/build/consumer_nccl")
+  step("${WORK_DIR}/build/consumer_nccl")
+endif()

@@ -1,0 +1,433 @@
+// Context parallelism (include/bsattn/distributed.hpp): the chunks a rank's rows use, their
+// exchange, one Plan per (query chunk, key chunk) pair and the merge by LSE, on the tensors'
+// device (scratch.hpp holds what differs between the CPU and a GPU).
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "bsattn/backward.hpp"
+#include "bsattn/distributed.hpp"
+#include "bsattn/merge.hpp"
+#include "bsattn/plan.hpp"
+#include "distributed/scratch.hpp"
+
+namespace bsattn::distributed {
+namespace {
+
+// Which chunks of the global sequence a rank holds.
+struct Chunks {
+  int per_rank = 1, world = 1, count = 1;
+  std::int64_t size = 0;  // tokens per chunk
+  int owner(int chunk) const { return chunk < world ? chunk : count - 1 - chunk; }
+  std::vector<int> of_rank(int rank) const {
+    return per_rank == 1 ? std::vector<int>{rank} : std::vector<int>{rank, count - 1 - rank};
+  }
+};
+
+// A view of `t` with dimension `dim` cut to [begin, begin + length).
+TensorView slice(TensorView t, int dim, std::int64_t begin, std::int64_t length) {
+  t.data = static_cast<unsigned char*>(t.data) + begin * t.stride[dim] * static_cast<std::int64_t>(element_size(t.dtype));
+  t.shape[dim] = length;
+  return t;
+}
+
+std::string place(Device device, int index) { return device == Device::cpu ? "CPU" : "cuda:" + std::to_string(index); }
+
+// `t` has this shape and dtype and lives with the problem (or, `host_too`, on the host).
+void expect_shape(const TensorView& t, const char* name, std::initializer_list<std::int64_t> shape, DType dtype,
+                  const Problem& local, bool host_too = false) {
+  const bool with_problem = t.device == local.device && (t.device == Device::cpu || t.device_index == local.device_index);
+  bool same = t.rank == static_cast<int>(shape.size()) && t.dtype == dtype && (with_problem || (host_too && t.device == Device::cpu));
+  int d = 0;
+  for (const std::int64_t n : shape) same = same && t.shape[d++] == n;
+  if (!same) {
+    std::string want = "[";
+    for (const std::int64_t n : shape) want += (want.size() > 1 ? ", " : "") + std::to_string(n);
+    throw Error(name, "expected a " + place(local.device, local.device_index) + " " + std::string(to_string(dtype)) +
+                          " tensor " + want + "], got " + std::string(to_string(t.dtype)) + " " + t.shape_string() +
+                          " on " + place(t.device, t.device_index));
+  }
+}
+
+// ------------------------------------------------------------------ shards
+// What the forward and the backward share: the rank's chunks and the key chunks their rows use
+// (agreed with the other ranks by an all-gather), the plans of a chunk pair and their block
+// masks, and the exchange of the used K/V chunks, posted so that the caller attends the chunks it
+// holds while the others travel. Buffers come from `scratch`, on the problem's device.
+class Shards {
+ public:
+  // Checks the shapes, makes the pair plans (backward: plans for run_backward, O given in
+  // local.out_dtype) and finds the chunks this rank's rows use; nothing is sent (agree()).
+  Shards(Scratch& scratch, Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
+         const TensorView& k, const TensorView& v, const TensorView& block_mask, const TensorView& out,
+         const TensorView& lse, bool backward)
+      : scratch_(scratch), transport_(transport), local_(local), q_(q), k_(k), v_(v) {
+    world_ = transport.world();
+    rank_ = transport.rank();
+    B = local.batch, S = local.max_seqlen_q, Hq = local.heads_q, Hkv = local.heads_kv, D = local.head_dim;
+    if (local.max_seqlen_kv != local.max_seqlen_q)
+      throw Error("problem.max_seqlen_kv", "a rank holds the same tokens of Q, K and V: expected " + std::to_string(S) +
+                                               ", got " + std::to_string(local.max_seqlen_kv));
+    if (local.q_layout != QLayout::batched || local.kv_layout != KVLayout::contiguous || local.mask.any() ||
+        local.proxy != Proxy::off || local.tile_m != 0 || local.tile_n != 0)
+      throw Error("problem", "batched Q, contiguous K/V, no mask (Sharding::causal), no proxy and no tile override");
+    if (local.format != Format::all_blocks && local.format != Format::bitmask)
+      throw Error("problem.format", "all_blocks or bitmask (the rank's rows over the global key blocks)");
+    if (local.format == Format::bitmask && (!local.has_partial || local.has_full))
+      throw Error("problem.has_full", "one bitmask of kept blocks (has_partial, no full set)");
+    chunks.per_rank = sharding.layout == Layout::zigzag ? 2 : 1;
+    chunks.world = world_;
+    chunks.count = world_ * chunks.per_rank;
+    if (S % chunks.per_rank != 0)
+      throw Error("problem.max_seqlen_q", "a zigzag shard holds two equal chunks: " + std::to_string(S) + " tokens");
+    chunks.size = S / chunks.per_rank;
+    const int bq = local.block.q, bk = local.block.kv;
+    if (chunks.size == 0 || chunks.size % bq != 0 || chunks.size % bk != 0)
+      throw Error("problem.block", "a chunk of " + std::to_string(chunks.size) +
+                                       " tokens is not a whole number of blocks (" + std::to_string(bq) + ", " +
+                                       std::to_string(bk) + ")");
+    q_blocks_ = chunks.size / bq;
+    k_blocks_ = chunks.size / bk;
+    const std::int64_t words = (k_blocks_ * chunks.count + 31) / 32;
+    expect_shape(q, "q", {B, S, Hq, D}, local.dtype, local);
+    expect_shape(k, "k", {B, S, Hkv, D}, local.dtype, local);
+    expect_shape(v, "v", {B, S, Hkv, D}, local.dtype, local);
+    expect_shape(out, "out", {B, S, Hq, D}, local.out_dtype, local);
+    if (lse.defined() || backward) expect_shape(lse, "lse", {B, Hq, S}, DType::f32, local);
+    if (local.device == Device::cuda)
+      for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}})
+        if (t->stride[3] != 1 || t->stride[2] != D)
+          throw Error(name, "on a GPU a token's heads must be contiguous (strides [.., .., " + std::to_string(D) +
+                                ", 1]), got " + t->shape_string() + " with strides [.., .., " +
+                                std::to_string(t->stride[2]) + ", " + std::to_string(t->stride[3]) + "]");
+    sparse_ = local.format == Format::bitmask;
+    Bs_ = sparse_ ? local.sparsity_batch : 1;
+    Hs_ = sparse_ ? local.sparsity_heads : 1;
+    if (sparse_)
+      expect_shape(block_mask, "block_mask", {Bs_, Hs_, q_blocks_ * chunks.per_rank, words}, DType::u32, local, true);
+
+    // A (query chunk, key chunk) pair: one plan serves every pair, and with the causal mask a
+    // second one the diagonal pairs (causal within the chunk).
+    Problem pair = local;
+    pair.max_seqlen_q = pair.max_seqlen_kv = static_cast<int>(chunks.size);
+    if (!backward) pair.out_dtype = DType::f32;  // the forward's parts, merged in fp32
+    pair.backward = backward;
+    pair.mask.alignment = Alignment::top_left;
+    off_diagonal_ = std::make_unique<Plan>(pair);
+    pair.mask.causal = true;
+    if (sharding.causal) diagonal_ = std::make_unique<Plan>(pair);
+
+    if (sparse_) block_mask_ = scratch_.to_host(block_mask, block_mask_copy_);
+    mine = chunks.of_rank(rank_);
+    keys.resize(mine.size());
+    for (int kc = 0; kc < chunks.count; ++kc) {
+      bool needed = false;
+      for (std::size_t i = 0; i < mine.size(); ++i)
+        if (used(mine[i], kc, sharding.causal)) keys[i].push_back(kc), needed = true;
+      if (needed) needs.push_back(kc);
+    }
+    chunk_elems = B * chunks.size * Hkv * D;
+    if (sparse_) upload_pair_masks();
+  }
+
+  // The first collective call: every rank's needed chunks (after the caller's last check, so that
+  // bad arguments throw before anything is sent).
+  void agree() { all_needs = transport_.all_gather(needs); }
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  int local_index(int chunk) const {
+    return static_cast<int>(std::find(mine.begin(), mine.end(), chunk) - mine.begin());
+  }
+  bool holds(int chunk) const { return chunks.owner(chunk) == rank_; }
+  Transport::Memory memory() const { return scratch_.memory(); }
+
+  // Posts the exchange of the used K/V chunks: this rank's to the ranks that use them (each chunk
+  // packed once), the others from their owners (K, then V of each chunk, in chunk order on both
+  // sides), into received_.
+  std::unique_ptr<Transport::Exchange> post_key_chunks(Stats& stats) {
+    const std::size_t bytes = static_cast<std::size_t>(chunk_elems) * element_size(local_.dtype);
+    std::vector<std::array<void*, 2>> packed(mine.size(), {nullptr, nullptr});
+    std::vector<Transport::Send> sends;
+    for (int peer = 0; peer < world_; ++peer) {
+      if (peer == rank_) continue;
+      for (const int c : all_needs[peer]) {
+        if (!holds(c)) continue;
+        std::array<void*, 2>& kv = packed[static_cast<std::size_t>(local_index(c))];
+        if (!kv[0])
+          for (int i = 0; i < 2; ++i) {
+            kv[i] = scratch_.allocate(bytes);
+            scratch_.pack(i == 0 ? k_ : v_, local_index(c) * chunks.size, chunks.size, kv[i]);
+          }
+        for (void* data : kv) sends.push_back({peer, data, bytes});
+      }
+    }
+    received_.assign(2 * needs.size(), nullptr);
+    receive_of_.assign(needs.size(), -1);
+    std::vector<Transport::Receive> receives;
+    for (std::size_t i = 0; i < needs.size(); ++i) {
+      if (holds(needs[i])) continue;
+      receive_of_[i] = static_cast<int>(receives.size());
+      for (int kv = 0; kv < 2; ++kv) {
+        received_[2 * i + kv] = scratch_.allocate(bytes);
+        receives.push_back({chunks.owner(needs[i]), received_[2 * i + kv], bytes});
+      }
+      ++stats.chunks_received;
+      stats.bytes_received += 2 * bytes;
+    }
+    stats.bytes_all_gather = static_cast<std::size_t>(chunks.count - chunks.per_rank) * 2 * bytes;
+    return transport_.post(sends, receives, scratch_.memory());
+  }
+
+  // Runs visit(query chunk index, part, key chunk, K, V) for every used pair: the key chunks this
+  // rank holds first, then each received one once it has landed. `part`: the key chunk's position
+  // in keys[query chunk index].
+  template <class Visit>
+  void for_each_pair(Transport::Exchange& exchange, Stats& stats, const Visit& visit) {
+    const auto pairs_of = [&](std::size_t slot) {
+      const int kc = needs[slot];
+      TensorView kk, vv;
+      if (holds(kc)) {
+        kk = slice(k_, 1, local_index(kc) * chunks.size, chunks.size);
+        vv = slice(v_, 1, local_index(kc) * chunks.size, chunks.size);
+      } else {
+        kk = view(received_[2 * slot], local_.dtype, {B, chunks.size, Hkv, D});
+        vv = view(received_[2 * slot + 1], local_.dtype, {B, chunks.size, Hkv, D});
+      }
+      for (std::size_t qi = 0; qi < mine.size(); ++qi) {
+        const auto at = std::find(keys[qi].begin(), keys[qi].end(), kc);
+        if (at == keys[qi].end()) continue;
+        visit(qi, static_cast<std::size_t>(at - keys[qi].begin()), kc, kk, vv);
+        ++stats.pairs_attended;
+      }
+    };
+    for (std::size_t slot = 0; slot < needs.size(); ++slot)
+      if (receive_of_[slot] < 0) pairs_of(slot);
+    stats.pairs_before_first_wait = stats.pairs_attended;  // unless a received chunk follows
+    bool waited = false;
+    for (std::size_t slot = 0; slot < needs.size(); ++slot) {
+      if (receive_of_[slot] < 0) continue;
+      if (!waited) stats.pairs_before_first_wait = stats.pairs_attended, waited = true;
+      exchange.wait(static_cast<std::size_t>(receive_of_[slot]) + 1);  // K, then V
+      pairs_of(slot);
+    }
+  }
+
+  // The inputs of pair (local chunk qi, its key chunk number `part`): the query chunk's rows and,
+  // with a bitmask, the pair's bits over the key chunk's blocks.
+  Inputs pair_inputs(std::size_t qi, std::size_t part, const TensorView& kk, const TensorView& vv) const {
+    Inputs in;
+    in.q = rows(q_, mine[qi]);
+    in.k = kk;
+    in.v = vv;
+    if (sparse_)
+      in.partial.bits = view(pair_bits_ + (first_pair_[qi] + part) * pair_mask_words(), DType::u32,
+                             {Bs_, Hs_, q_blocks_, pair_words()});
+    return in;
+  }
+  Plan& plan(int qc, int kc) { return diagonal_ && kc == qc ? *diagonal_ : *off_diagonal_; }
+
+  // The rows of local chunk `chunk` in a [B, S, H, D] tensor, or in an LSE [B, H, S].
+  TensorView rows(const TensorView& t, int chunk) const { return slice(t, 1, local_index(chunk) * chunks.size, chunks.size); }
+  TensorView lse_rows(const TensorView& lse, int chunk) const {
+    return lse.defined() ? slice(lse, 2, local_index(chunk) * chunks.size, chunks.size) : lse;
+  }
+  // A contiguous tensor of the problem's device at `data`.
+  TensorView view(const void* data, DType dtype, std::initializer_list<std::int64_t> shape) const {
+    return TensorView::contiguous(data, dtype, shape, local_.device, local_.device_index);
+  }
+
+  std::int64_t B = 0, S = 0, Hq = 0, Hkv = 0, D = 0;
+  Chunks chunks;
+  std::vector<int> mine;                     // this rank's chunks, in its local order
+  std::vector<std::vector<int>> keys;        // keys[i]: the key chunks local chunk i's rows use
+  std::vector<int> needs;                    // their union, ascending
+  std::vector<std::vector<int>> all_needs;   // every rank's needs
+  std::int64_t chunk_elems = 0;              // elements of one K or V chunk, all batches
+
+ private:
+  std::int64_t pair_words() const { return (k_blocks_ + 31) / 32; }
+  std::int64_t pair_mask_words() const { return Bs_ * Hs_ * q_blocks_ * pair_words(); }
+  bool bit(std::int64_t bs, std::int64_t hs, std::int64_t row, std::int64_t col) const {
+    const auto* w = static_cast<const std::uint32_t*>(block_mask_.data) + bs * block_mask_.stride[0] +
+                    hs * block_mask_.stride[1] + row * block_mask_.stride[2] + (col / 32) * block_mask_.stride[3];
+    return (*w >> (col % 32)) & 1u;
+  }
+  // Key chunk kc is used by query chunk qc: not in its causal future, and some block kept.
+  bool used(int qc, int kc, bool causal) const {
+    if (causal && kc > qc) return false;
+    if (!sparse_) return true;
+    const std::int64_t row0 = local_index(qc) * q_blocks_;
+    for (std::int64_t bs = 0; bs < Bs_; ++bs)
+      for (std::int64_t hs = 0; hs < Hs_; ++hs)
+        for (std::int64_t r = row0; r < row0 + q_blocks_; ++r)
+          for (std::int64_t c = kc * k_blocks_; c < (kc + 1) * k_blocks_; ++c)
+            if (bit(bs, hs, r, c)) return true;
+    return false;
+  }
+  // Every used pair's bits over its key chunk's blocks, in one buffer on the problem's device
+  // (pair (qi, part) at first_pair_[qi] + part).
+  void upload_pair_masks() {
+    std::size_t pairs = 0;
+    for (const std::vector<int>& k : keys) first_pair_.push_back(pairs), pairs += k.size();
+    const std::int64_t words = pair_words(), per_pair = pair_mask_words();
+    std::vector<std::uint32_t> bits(pairs * static_cast<std::size_t>(per_pair), 0u);
+    for (std::size_t qi = 0; qi < mine.size(); ++qi)
+      for (std::size_t part = 0; part < keys[qi].size(); ++part) {
+        std::uint32_t* pair = bits.data() + (first_pair_[qi] + part) * per_pair;
+        const std::int64_t row0 = local_index(mine[qi]) * q_blocks_, col0 = keys[qi][part] * k_blocks_;
+        for (std::int64_t bs = 0; bs < Bs_; ++bs)
+          for (std::int64_t hs = 0; hs < Hs_; ++hs)
+            for (std::int64_t r = 0; r < q_blocks_; ++r)
+              for (std::int64_t c = 0; c < k_blocks_; ++c)
+                if (bit(bs, hs, row0 + r, col0 + c))
+                  pair[((bs * Hs_ + hs) * q_blocks_ + r) * words + c / 32] |= 1u << (c % 32);
+      }
+    pair_bits_ = static_cast<std::uint32_t*>(scratch_.allocate(bits.size() * sizeof(std::uint32_t)));
+    scratch_.upload(pair_bits_, bits.data(), bits.size() * sizeof(std::uint32_t));
+  }
+
+  Scratch& scratch_;
+  Transport& transport_;
+  const Problem& local_;
+  TensorView q_, k_, v_, block_mask_;  // block_mask_: on the host
+  std::vector<unsigned char> block_mask_copy_;  // its bytes, when the caller's is on the device
+  int world_ = 1, rank_ = 0;
+  std::int64_t q_blocks_ = 0, k_blocks_ = 0, Bs_ = 1, Hs_ = 1;
+  bool sparse_ = false;
+  std::unique_ptr<Plan> off_diagonal_, diagonal_;
+  std::uint32_t* pair_bits_ = nullptr;
+  std::vector<std::size_t> first_pair_;
+  std::vector<void*> received_;  // per needed chunk: its received K and V (held chunks: none)
+  std::vector<int> receive_of_;  // per needed chunk: its K receive's index (V follows), -1 if held
+};
+
+}  // namespace
+
+// ------------------------------------------------------------------ attention
+Stats attention(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
+                const TensorView& k, const TensorView& v, const TensorView& block_mask, const TensorView& out,
+                const TensorView& lse, Stream stream) {
+  Scratch scratch(local.device, local.device_index, stream);
+  Shards sh(scratch, transport, local, sharding, q, k, v, block_mask, out, lse, false);
+  sh.agree();
+  Stats stats;
+  const std::unique_ptr<Transport::Exchange> exchange = sh.post_key_chunks(stats);
+  // Every pair into its fp32 part; a query chunk's parts are merged once all are in. A chunk
+  // whose rows use no key chunk merges one empty part (O = 0, LSE = -inf).
+  const std::int64_t out_elems = sh.B * sh.chunks.size * sh.Hq * sh.D, lse_elems = sh.B * sh.Hq * sh.chunks.size;
+  std::vector<float*> part_out(sh.mine.size()), part_lse(sh.mine.size());
+  for (std::size_t i = 0; i < sh.mine.size(); ++i) {
+    const std::size_t n = sh.keys[i].size();
+    part_out[i] = n ? scratch.floats(n * out_elems) : scratch.filled(out_elems, 0.0f);
+    part_lse[i] = n ? scratch.floats(n * lse_elems) : scratch.filled(lse_elems, -std::numeric_limits<float>::infinity());
+  }
+  sh.for_each_pair(*exchange, stats, [&](std::size_t qi, std::size_t part, int kc, const TensorView& kk,
+                                         const TensorView& vv) {
+    Outputs o;
+    o.out = sh.view(part_out[qi] + part * out_elems, DType::f32, {sh.B, sh.chunks.size, sh.Hq, sh.D});
+    o.lse = sh.view(part_lse[qi] + part * lse_elems, DType::f32, {sh.B, sh.Hq, sh.chunks.size});
+    sh.plan(sh.mine[qi], kc).run(sh.pair_inputs(qi, part, kk, vv), o, stream);
+  });
+  for (std::size_t qi = 0; qi < sh.mine.size(); ++qi) {
+    const std::int64_t n = std::max<std::int64_t>(static_cast<std::int64_t>(sh.keys[qi].size()), 1);
+    merge_states(sh.view(part_out[qi], DType::f32, {n, sh.B, sh.chunks.size, sh.Hq, sh.D}),
+                 sh.view(part_lse[qi], DType::f32, {n, sh.B, sh.Hq, sh.chunks.size}), sh.rows(out, sh.mine[qi]),
+                 sh.lse_rows(lse, sh.mine[qi]), stream);
+  }
+  return stats;
+}
+
+// ------------------------------------------------------------------ attention_backward
+Stats attention_backward(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
+                         const TensorView& k, const TensorView& v, const TensorView& block_mask,
+                         const TensorView& out, const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                         const TensorView& dk, const TensorView& dv, Stream stream) {
+  const auto gradient_of = [&](const TensorView& g, const char* name, const TensorView& like) {
+    if (g.dtype != DType::f32 && g.dtype != local.dtype)
+      throw Error(name, "expected f32 or the inputs' " + std::string(to_string(local.dtype)) + ", got " +
+                            std::string(to_string(g.dtype)));
+    expect_shape(g, name, {like.shape[0], like.shape[1], like.shape[2], like.shape[3]}, g.dtype, local);
+    if (g.stride[3] != 1) throw Error(name, "the last dimension must be contiguous");
+  };
+  Scratch scratch(local.device, local.device_index, stream);
+  Shards sh(scratch, transport, local, sharding, q, k, v, block_mask, out, lse, true);
+  expect_shape(dout, "dout", {sh.B, sh.S, sh.Hq, sh.D}, local.out_dtype, local);
+  gradient_of(dq, "dq", q);
+  gradient_of(dk, "dk", k);
+  gradient_of(dv, "dv", v);
+  sh.agree();
+  Stats stats;
+  const std::unique_ptr<Transport::Exchange> exchange = sh.post_key_chunks(stats);
+  // fp32 sums: dQ of each local chunk; dK, dV of every used key chunk (slot of `needs`).
+  const std::int64_t q_elems = sh.B * sh.chunks.size * sh.Hq * sh.D, kv_elems = sh.chunk_elems;
+  const std::size_t local_chunks = sh.mine.size();
+  float* dq_sum = scratch.filled(local_chunks * q_elems, 0.0f);
+  std::vector<float*> dk_sum(sh.needs.size()), dv_sum(sh.needs.size());
+  for (std::size_t slot = 0; slot < sh.needs.size(); ++slot)
+    dk_sum[slot] = scratch.filled(kv_elems, 0.0f), dv_sum[slot] = scratch.filled(kv_elems, 0.0f);
+  float* gq = scratch.floats(q_elems);
+  float* gk = scratch.floats(kv_elems);
+  float* gv = scratch.floats(kv_elems);
+  sh.for_each_pair(*exchange, stats, [&](std::size_t qi, std::size_t part, int kc, const TensorView& kk,
+                                         const TensorView& vv) {
+    const int qc = sh.mine[qi];
+    // The whole rows' O and LSE make the pair's share of each gradient exact.
+    BackwardInputs bin;
+    bin.out = sh.rows(out, qc);
+    bin.lse = sh.lse_rows(lse, qc);
+    bin.dout = sh.rows(dout, qc);
+    Gradients g;
+    g.dq = sh.view(gq, DType::f32, {sh.B, sh.chunks.size, sh.Hq, sh.D});
+    g.dk = sh.view(gk, DType::f32, {sh.B, sh.chunks.size, sh.Hkv, sh.D});
+    g.dv = sh.view(gv, DType::f32, {sh.B, sh.chunks.size, sh.Hkv, sh.D});
+    sh.plan(qc, kc).run_backward(sh.pair_inputs(qi, part, kk, vv), bin, g, stream);
+    const std::size_t slot = static_cast<std::size_t>(std::find(sh.needs.begin(), sh.needs.end(), kc) - sh.needs.begin());
+    scratch.add(dq_sum + qi * q_elems, gq, q_elems);
+    scratch.add(dk_sum[slot], gk, kv_elems);
+    scratch.add(dv_sum[slot], gv, kv_elems);
+  });
+
+  // The key chunks' gradients go home: to each owner the sums of its chunks this rank used; from
+  // each rank that used one of this rank's chunks, its sum (chunk order on both sides).
+  const std::size_t kv_bytes = static_cast<std::size_t>(kv_elems) * sizeof(float);
+  std::vector<Transport::Send> sends;
+  for (std::size_t slot = 0; slot < sh.needs.size(); ++slot)
+    if (!sh.holds(sh.needs[slot]))
+      for (const float* sum : {dk_sum[slot], dv_sum[slot]}) sends.push_back({sh.chunks.owner(sh.needs[slot]), sum, kv_bytes});
+  float* dk_local = scratch.filled(local_chunks * kv_elems, 0.0f);
+  float* dv_local = scratch.filled(local_chunks * kv_elems, 0.0f);
+  for (std::size_t slot = 0; slot < sh.needs.size(); ++slot)
+    if (sh.holds(sh.needs[slot])) {
+      scratch.add(dk_local + sh.local_index(sh.needs[slot]) * kv_elems, dk_sum[slot], kv_elems);
+      scratch.add(dv_local + sh.local_index(sh.needs[slot]) * kv_elems, dv_sum[slot], kv_elems);
+    }
+  // From each other rank, in rank order, the sums of the chunks held here that it used.
+  std::vector<int> back_chunk, back_peer;
+  for (int peer = 0; peer < sh.world(); ++peer)
+    if (peer != sh.rank())
+      for (const int c : sh.all_needs[peer])
+        if (sh.holds(c)) back_chunk.push_back(c), back_peer.push_back(peer);
+  std::vector<Transport::Receive> receives;
+  for (std::size_t i = 0; i < 2 * back_chunk.size(); ++i)
+    receives.push_back({back_peer[i / 2], scratch.floats(kv_elems), kv_bytes});
+  {
+    const std::unique_ptr<Transport::Exchange> home = transport.post(sends, receives, sh.memory());
+    for (std::size_t i = 0; i < back_chunk.size(); ++i) {
+      home->wait(2 * i + 1);
+      const std::int64_t at = sh.local_index(back_chunk[i]) * kv_elems;
+      scratch.add(dk_local + at, static_cast<const float*>(receives[2 * i].data), kv_elems);
+      scratch.add(dv_local + at, static_cast<const float*>(receives[2 * i + 1].data), kv_elems);
+    }
+  }
+  for (std::size_t i = 0; i < local_chunks; ++i) {
+    scratch.store(dq_sum + i * q_elems, sh.rows(dq, sh.mine[i]));
+    scratch.store(dk_local + i * kv_elems, sh.rows(dk, sh.mine[i]));
+    scratch.store(dv_local + i * kv_elems, sh.rows(dv, sh.mine[i]));
+  }
+  return stats;
+}
+
+}  // namespace bsattn::distributed
