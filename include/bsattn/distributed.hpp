@@ -28,6 +28,7 @@
 // memory over NCCL, one rank per GPU.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -96,6 +97,11 @@ enum class Layout { contiguous, zigzag };
 struct Sharding {
   Layout layout = Layout::contiguous;
   bool causal = false;  // the causal mask of the whole sequence
+  // Packed documents (batch 1): offsets 0 = o_0 <= o_1 <= ... <= o_n = S over the whole sequence;
+  // a query sees only the keys of its own document, as the varlen single-process call with these
+  // offsets computes. A key chunk that shares no document with a query chunk is not used by it
+  // (not sent, not attended). Empty: no documents.
+  std::vector<std::int64_t> cu_seqlens;
 };
 
 // What one call moved and computed, for this rank.

@@ -15,7 +15,8 @@ chunk r of ``world`` chunks; ``"zigzag"`` cuts ``2 * world`` chunks and gives ra
 whole number of Q and KV blocks. With ``causal=True`` the mask is the causal one of the whole
 sequence (square: both alignments agree); ``cu_seqlens`` (int, ``[n + 1]``, ending at S) packs
 documents into the one sequence (batch 1): a query sees only keys of its own document, as the
-varlen single-process call with those offsets computes.
+varlen single-process call with those offsets computes, and a key chunk that shares no document
+with a rank's query chunks is not sent to it.
 
 Inputs per rank: ``q [B, S_local, Hq, D]``, ``k``/``v [B, S_local, Hkv, D]`` (with ``cu_seqlens``
 also the varlen layout ``[S_local, H, D]``, answered in the varlen call's layout); ``block_mask``:
@@ -244,6 +245,10 @@ class _Shards:
     def used(self, qc, kc):
         if self.causal and kc > qc:
             return False
+        if self.doc is not None:  # documents are contiguous: a chunk holds its first to last token's
+            first, last = (lambda c: self.doc[c * self.chunks.size]), (lambda c: self.doc[(c + 1) * self.chunks.size - 1])
+            if last(qc) < first(kc) or last(kc) < first(qc):
+                return False  # no document in common
         return self.block_mask is None or _any(self.pattern(qc, kc))
 
     def pairs(self, kc):

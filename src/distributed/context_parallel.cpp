@@ -3,6 +3,7 @@
 // device (scratch.hpp holds what differs between the CPU and a GPU).
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -90,6 +91,7 @@ class Shards {
                                        std::to_string(bk) + ")");
     q_blocks_ = chunks.size / bq;
     k_blocks_ = chunks.size / bk;
+    if (!sharding.cu_seqlens.empty()) read_documents(sharding.cu_seqlens);
     const std::int64_t words = (k_blocks_ * chunks.count + 31) / 32;
     expect_shape(q, "q", {B, S, Hq, D}, local.dtype, local);
     expect_shape(k, "k", {B, S, Hkv, D}, local.dtype, local);
@@ -115,6 +117,7 @@ class Shards {
     if (!backward) pair.out_dtype = DType::f32;  // the forward's parts, merged in fp32
     pair.backward = backward;
     pair.mask.alignment = Alignment::top_left;
+    pair.mask.document_ids = documents_;
     off_diagonal_ = std::make_unique<Plan>(pair);
     pair.mask.causal = true;
     if (sharding.causal) diagonal_ = std::make_unique<Plan>(pair);
@@ -130,6 +133,10 @@ class Shards {
     }
     chunk_elems = B * chunks.size * Hkv * D;
     if (sparse_) upload_pair_masks();
+    if (documents_) {
+      doc_ids_ = static_cast<std::int32_t*>(scratch_.allocate(doc_of_token_.size() * sizeof(std::int32_t)));
+      scratch_.upload(doc_ids_, doc_of_token_.data(), doc_of_token_.size() * sizeof(std::int32_t));
+    }
   }
 
   // The first collective call: every rank's needed chunks (after the caller's last check, so that
@@ -222,6 +229,10 @@ class Shards {
     in.q = rows(q_, mine[qi]);
     in.k = kk;
     in.v = vv;
+    if (documents_) {  // the two chunks' document ids, [1, chunk] each
+      in.doc_q = view(doc_ids_ + mine[qi] * chunks.size, DType::i32, {1, chunks.size});
+      in.doc_kv = view(doc_ids_ + keys[qi][part] * chunks.size, DType::i32, {1, chunks.size});
+    }
     if (sparse_)
       in.partial.bits = view(pair_bits_ + (first_pair_[qi] + part) * pair_mask_words(), DType::u32,
                              {Bs_, Hs_, q_blocks_, pair_words()});
@@ -258,6 +269,7 @@ class Shards {
   // Key chunk kc is used by query chunk qc: not in its causal future, and some block kept.
   bool used(int qc, int kc, bool causal) const {
     if (causal && kc > qc) return false;
+    if (documents_ && (last_doc(qc) < first_doc(kc) || last_doc(kc) < first_doc(qc))) return false;  // no shared one
     if (!sparse_) return true;
     const std::int64_t row0 = local_index(qc) * q_blocks_;
     for (std::int64_t bs = 0; bs < Bs_; ++bs)
@@ -267,6 +279,26 @@ class Shards {
             if (bit(bs, hs, r, c)) return true;
     return false;
   }
+  // The document of every global token, from Sharding::cu_seqlens (checked).
+  void read_documents(const std::vector<std::int64_t>& offsets) {
+    const std::int64_t total = chunks.size * chunks.count;
+    if (B != 1) throw Error("sharding.cu_seqlens", "packed documents take batch 1, got " + std::to_string(B));
+    bool ok = offsets.front() == 0 && offsets.back() == total && offsets.size() - 1 <= std::size_t(INT32_MAX);
+    for (std::size_t i = 1; i < offsets.size() && ok; ++i) ok = offsets[i] >= offsets[i - 1];
+    if (!ok)
+      throw Error("sharding.cu_seqlens", "expected non-decreasing offsets from 0 to the sequence's " +
+                                             std::to_string(total) + " tokens, got " + std::to_string(offsets.size()) +
+                                             " offsets from " + std::to_string(offsets.front()) + " to " +
+                                             std::to_string(offsets.back()));
+    documents_ = true;
+    doc_of_token_.resize(static_cast<std::size_t>(total));
+    for (std::size_t d = 0; d + 1 < offsets.size(); ++d)
+      std::fill(doc_of_token_.begin() + offsets[d], doc_of_token_.begin() + offsets[d + 1], static_cast<std::int32_t>(d));
+  }
+  // Documents are contiguous: a chunk holds those from its first token's to its last token's.
+  std::int32_t first_doc(int chunk) const { return doc_of_token_[static_cast<std::size_t>(chunk * chunks.size)]; }
+  std::int32_t last_doc(int chunk) const { return doc_of_token_[static_cast<std::size_t>((chunk + 1) * chunks.size - 1)]; }
+
   // Every used pair's bits over its key chunk's blocks, in one buffer on the problem's device
   // (pair (qi, part) at first_pair_[qi] + part).
   void upload_pair_masks() {
@@ -299,6 +331,9 @@ class Shards {
   bool sparse_ = false;
   std::unique_ptr<Plan> off_diagonal_, diagonal_;
   std::uint32_t* pair_bits_ = nullptr;
+  bool documents_ = false;
+  std::vector<std::int32_t> doc_of_token_;  // global tokens' documents (host), and on the device:
+  std::int32_t* doc_ids_ = nullptr;
   std::vector<std::size_t> first_pair_;
   std::vector<void*> received_;  // per needed chunk: its received K and V (held chunks: none)
   std::vector<int> receive_of_;  // per needed chunk: its K receive's index (V follows), -1 if held

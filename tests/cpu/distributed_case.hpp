@@ -33,6 +33,10 @@ struct Spec {
   DType dtype = DType::f32;
   double density = 0.4;
   bool band = false;  // keep only blocks within one chunk of the diagonal (instead of random)
+  // Packed documents (batch 1): this many with random boundaries (some empty, some spanning
+  // chunks), or with chunk_documents one per chunk. 0: none.
+  int documents = 0;
+  bool chunk_documents = false;
   std::uint64_t seed = 1;
 };
 
@@ -132,6 +136,16 @@ class Sequence {
     qb_ = S_ / s.bq;
     kb_ = S_ / s.bk;
     words_ = (kb_ + 31) / 32;
+    if (s.chunk_documents)
+      for (int c = 0; c <= chunks_; ++c) cu_seqlens_.push_back(std::int64_t(c) * s.chunk);
+    else if (s.documents > 0) {
+      std::uniform_int_distribution<std::int64_t> cut(0, S_);
+      cu_seqlens_ = {0, S_};
+      for (int i = 1; i < s.documents; ++i) cu_seqlens_.push_back(cut(rng));
+      std::sort(cu_seqlens_.begin(), cu_seqlens_.end());
+    }
+    for (std::size_t d = 0; d + 1 < cu_seqlens_.size(); ++d)
+      doc_ids_.insert(doc_ids_.end(), cu_seqlens_[d + 1] - cu_seqlens_[d], static_cast<std::int32_t>(d));
     keep_.assign(std::size_t(s.sparsity_batch) * s.sparsity_heads * qb_ * kb_, 0);
     std::bernoulli_distribution coin(s.density);
     for (int bs = 0; bs < s.sparsity_batch; ++bs)
@@ -199,6 +213,10 @@ class Sequence {
     for (int i = 0; i < qb_; ++i) rows[i] = i;
     std::vector<std::uint32_t> w = bits(rows);
     if (s_.sparse) in.partial.bits = TensorView::contiguous(w.data(), DType::u32, {s_.sparsity_batch, s_.sparsity_heads, qb_, words_});
+    if (!doc_ids_.empty()) {
+      p.mask.document_ids = true;
+      in.doc_q = in.doc_kv = TensorView::contiguous(self.doc_ids_.data(), DType::i32, {1, S_});
+    }
     bsattn::Outputs o;
     o.out = TensorView::contiguous(r.out.data(), DType::f32, {s_.batch, S_, s_.hq, s_.d});
     o.lse = TensorView::contiguous(r.lse.data(), DType::f32, {s_.batch, s_.hq, S_});
@@ -262,6 +280,7 @@ class Sequence {
           d.problem = problem(local);
           d.sharding.layout = s_.layout;
           d.sharding.causal = s_.causal;
+          d.sharding.cu_seqlens = cu_seqlens_;
           const RankResult got = run(d);
           r.stats[rank] = got.stats;
           r.stats_backward[rank] = got.stats_backward;
@@ -295,6 +314,8 @@ class Sequence {
   std::int64_t words_ = 0;
   Data q_, k_, v_, dout_;
   std::vector<std::uint8_t> keep_;
+  std::vector<std::int64_t> cu_seqlens_;  // packed documents' offsets (empty: none)
+  std::vector<std::int32_t> doc_ids_;     // their id per token
 };
 
 // Every element of O and LSE of the sharded run against the single-process one: equal non-finite

@@ -94,6 +94,42 @@ TEST(Distributed, BandedPatternMovesOnlyItsChunks) {
   expect_band_stats(got);
 }
 
+// Packed documents (batch 1, five documents with random boundaries, some empty, some spanning
+// chunks) against the single-process call with their document ids, which is the varlen call.
+TEST(Distributed, PackedDocumentsEqualTheVarlenCall) {
+  std::uint64_t seed = 300;
+  for (const int world : {2, 4})
+    for (const auto layout : {dist::Layout::contiguous, dist::Layout::zigzag})
+      for (const bool causal : {false, true})
+        for (const int pattern : {0, 1}) {
+          Spec s = grid_case(world, layout, causal, pattern, seed);
+          s.batch = s.sparsity_batch = 1;
+          s.documents = 5;
+          s.dtype = seed++ % 2 ? DType::bf16 : DType::f32;
+          const Sequence seq(s);
+          const Result want = seq.reference(), got = sharded_on_host(seq, s.world);
+          expect_same(got, want, 2e-5f, describe(s) + ", documents");
+          expect_same_gradients(got, want, 1e-4f, s.dtype == DType::bf16 ? 8e-3f : 0.0f, describe(s) + ", documents backward");
+        }
+}
+
+// A document per chunk: no query chunk shares a document with another rank's key chunk, so
+// nothing travels and each query chunk attends only its own chunk.
+TEST(Distributed, DocumentsWithinChunksMoveNothing) {
+  for (const auto layout : {dist::Layout::contiguous, dist::Layout::zigzag}) {
+    Spec s = grid_case(4, layout, false, 0, 11);
+    s.batch = 1;
+    s.chunk_documents = true;
+    const Sequence seq(s);
+    const Result got = sharded_on_host(seq, s.world), want = seq.reference();
+    expect_same(got, want, 2e-5f, describe(s) + ", a document per chunk");
+    for (int rank = 0; rank < s.world; ++rank) {
+      EXPECT_EQ(got.stats[rank].chunks_received, 0) << describe(s) << ", rank " << rank;
+      EXPECT_EQ(got.stats[rank].pairs_attended, layout == dist::Layout::zigzag ? 2 : 1) << describe(s) << ", rank " << rank;
+    }
+  }
+}
+
 TEST(Distributed, BadShardsNameTheArgument) {
   dist::LocalGroup group(1);
   auto t = group.transport(0);
@@ -166,6 +202,19 @@ TEST(Distributed, BadShardsNameTheArgument) {
     ADD_FAILURE() << "47 tokens in two zigzag chunks were accepted";
   } catch (const bsattn::Error& e) {
     EXPECT_EQ(e.argument(), "problem.max_seqlen_q");
+  }
+  // Packed documents: offsets must run from 0 to the sequence's tokens, non-decreasing.
+  p.max_seqlen_q = p.max_seqlen_kv = 48;
+  p.block = {16, 16};
+  for (const std::vector<std::int64_t>& offsets : std::vector<std::vector<std::int64_t>>{{0, 40}, {0, 30, 20, 48}, {1, 48}}) {
+    dist::Sharding documents;
+    documents.cu_seqlens = offsets;
+    try {
+      dist::attention(*t, p, documents, q, kv, kv, {}, out, lse);
+      ADD_FAILURE() << "offsets " << offsets[1] << " accepted";
+    } catch (const bsattn::Error& e) {
+      EXPECT_EQ(e.argument(), "sharding.cu_seqlens") << e.what();
+    }
   }
 }
 

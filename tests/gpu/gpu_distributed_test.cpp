@@ -1,10 +1,10 @@
 // Context parallelism on the GPU (include/bsattn/distributed.hpp): the cases of
 // tests/cpu/distributed_case.hpp with device tensors, each rank a thread on its own stream. With
 // LocalGroup the ranks share this GPU (1, 2 and 4 ranks, contiguous and zigzag, causal and not,
-// every pattern kind, the block mask on the host or the device); with the NCCL transport there
-// is a rank per GPU of the machine. Forward and backward are compared with the single-process
-// call on the CPU engine, outputs poisoned (NaN) before the call. Then the stats of a banded
-// pattern and the GPU's bad inputs.
+// every pattern kind, the block mask on the host or the device, packed documents); with the NCCL
+// transport there is a rank per GPU of the machine. Forward and backward are compared with the
+// single-process call on the CPU engine, outputs poisoned (NaN) before the call. Then the stats
+// of a banded pattern and the GPU's bad inputs.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -167,6 +167,31 @@ TEST(GpuDistributed, BandedPatternMovesOnlyItsChunks) {
   const Result got = sharded_on_gpu(seq, s.world, true), want = seq.reference();
   expect_same(got, want, 1e-2f, "band");
   expect_band_stats(got);
+}
+
+// Packed documents (batch 1, random boundaries) against the single-process call with their
+// document ids; then a document per chunk, which moves nothing.
+TEST(GpuDistributed, PackedDocuments) {
+  REQUIRE_SM90();
+  std::uint64_t seed = 700;
+  for (const int world : {2, 4})
+    for (const auto layout : {dist::Layout::contiguous, dist::Layout::zigzag})
+      for (const bool causal : {false, true}) {
+        Spec s = gpu_spec(world, layout, causal, causal ? 1 : 0, seed++);
+        s.batch = s.sparsity_batch = 1;
+        s.documents = 5;
+        const Sequence seq(s);
+        const Result want = seq.reference(), got = sharded_on_gpu(seq, world, true);
+        expect_same(got, want, 1e-2f, describe(s) + ", documents");
+        expect_close_gradients(got, want, describe(s) + ", documents backward");
+      }
+  Spec s = gpu_spec(4, dist::Layout::zigzag, false, 0, 1);
+  s.batch = 1;
+  s.chunk_documents = true;
+  const Sequence seq(s);
+  const Result got = sharded_on_gpu(seq, s.world, true);
+  expect_same(got, seq.reference(), 1e-2f, describe(s) + ", a document per chunk");
+  for (int rank = 0; rank < s.world; ++rank) EXPECT_EQ(got.stats[rank].chunks_received, 0) << "rank " << rank;
 }
 
 TEST(GpuDistributed, BadInputsNameTheArgument) {

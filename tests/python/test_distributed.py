@@ -60,9 +60,11 @@ def global_case(seed, *, batch, seq, hq, hkv, dim, block, density, causal, docum
         blocks = rng.random((1, hq, nb, nb)) < density
         blocks[:, :, 1, :] = False  # an empty row
     cu = None
-    if documents:
+    if documents is True:
         cuts = np.sort(rng.choice(np.arange(1, seq), size=5, replace=False))
         cu = np.concatenate([[0], cuts, [seq]]).astype(np.int32)
+    elif documents:  # that many documents of equal length
+        cu = np.linspace(0, seq, documents + 1).astype(np.int32)
     return q, k, v, blocks, cu
 
 
@@ -245,6 +247,14 @@ def test_backward_random_blocks_batched():
 def test_backward_packed_documents():
     run_ranks(2, case(120, "zigzag", density=None, causal=True, documents=True, varlen_layout=True, backward=True))
     run_ranks(4, case(121, "contiguous", world=4, density=0.5, causal=True, documents=True, backward=True))
+
+
+def test_documents_within_chunks_move_nothing():
+    """A document per chunk (8 zigzag chunks on 4 ranks): no rank's rows share a document with
+    another rank's keys, so nothing travels."""
+    stats = run_ranks(4, case(65, "zigzag", world=4, density=None, documents=8))
+    for rank, s in stats.items():
+        assert s["bytes_received"] == 0, (rank, s)
 
 
 def test_dense_every_block():
