@@ -141,4 +141,30 @@ Stats attention_backward(Transport& transport, const Problem& local, const Shard
                          const TensorView& out, const TensorView& lse, const TensorView& dout, const TensorView& dq,
                          const TensorView& dk, const TensorView& dv, Stream stream = nullptr);
 
+// attention() and attention_backward() as a plan for repeated calls on one problem and sharding:
+// the chunk pairs' plans are made once (on a GPU their workspaces stay allocated, so a call frees
+// nothing and does not wait for the GPU at its end), and each run() checks only its tensors. The
+// backward's pair plans are made when local.backward is set. `world`: the transports' rank count.
+// The calls' own costs remain: the block mask read on the host, the all-gather of the used
+// chunks, the pair masks (and document ids) copied to the device, stream-ordered buffers.
+class ShardedPlan {
+ public:
+  ShardedPlan(const Problem& local, const Sharding& sharding, int world);
+  ~ShardedPlan();
+  ShardedPlan(ShardedPlan&&) noexcept;
+  ShardedPlan& operator=(ShardedPlan&&) noexcept;
+
+  Stats run(Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
+            const TensorView& block_mask, const TensorView& out, const TensorView& lse, Stream stream = nullptr);
+  Stats run_backward(Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
+                     const TensorView& block_mask, const TensorView& out, const TensorView& lse,
+                     const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                     Stream stream = nullptr);
+
+  struct Impl;  // the checked geometry and the pair plans (defined in the library)
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace bsattn::distributed

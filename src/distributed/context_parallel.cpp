@@ -52,22 +52,19 @@ void expect_shape(const TensorView& t, const char* name, std::initializer_list<s
   }
 }
 
-// ------------------------------------------------------------------ shards
-// What the forward and the backward share: the rank's chunks and the key chunks their rows use
-// (agreed with the other ranks by an all-gather), the plans of a chunk pair and their block
-// masks, and the exchange of the used K/V chunks, posted so that the caller attends the chunks it
-// holds while the others travel. Buffers come from `scratch`, on the problem's device.
-class Shards {
- public:
-  // Checks the shapes, makes the pair plans (backward: plans for run_backward, O given in
-  // local.out_dtype) and finds the chunks this rank's rows use; nothing is sent (agree()).
-  Shards(Scratch& scratch, Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
-         const TensorView& k, const TensorView& v, const TensorView& block_mask, const TensorView& out,
-         const TensorView& lse, bool backward)
-      : scratch_(scratch), transport_(transport), local_(local), q_(q), k_(k), v_(v) {
-    world_ = transport.world();
-    rank_ = transport.rank();
+}  // namespace
+
+// ------------------------------------------------------------------ the plan
+// The checked problem and sharding, the chunk geometry, the documents and the pair plans: one
+// plan serves every (query chunk, key chunk) pair, and with the causal mask a second one the
+// diagonal pairs (causal within the chunk); the forward's write fp32 parts, the backward's (with
+// local.backward) read O in local.out_dtype.
+struct ShardedPlan::Impl {
+  // Makes the forward's pair plans and/or the backward's.
+  Impl(const Problem& problem, const Sharding& how, int world, bool forward, bool backward)
+      : local(problem), sharding(how) {
     B = local.batch, S = local.max_seqlen_q, Hq = local.heads_q, Hkv = local.heads_kv, D = local.head_dim;
+    if (world < 1) throw Error("world", "at least one rank, got " + std::to_string(world));
     if (local.max_seqlen_kv != local.max_seqlen_q)
       throw Error("problem.max_seqlen_kv", "a rank holds the same tokens of Q, K and V: expected " + std::to_string(S) +
                                                ", got " + std::to_string(local.max_seqlen_kv));
@@ -79,8 +76,8 @@ class Shards {
     if (local.format == Format::bitmask && (!local.has_partial || local.has_full))
       throw Error("problem.has_full", "one bitmask of kept blocks (has_partial, no full set)");
     chunks.per_rank = sharding.layout == Layout::zigzag ? 2 : 1;
-    chunks.world = world_;
-    chunks.count = world_ * chunks.per_rank;
+    chunks.world = world;
+    chunks.count = world * chunks.per_rank;
     if (S % chunks.per_rank != 0)
       throw Error("problem.max_seqlen_q", "a zigzag shard holds two equal chunks: " + std::to_string(S) + " tokens");
     chunks.size = S / chunks.per_rank;
@@ -89,9 +86,89 @@ class Shards {
       throw Error("problem.block", "a chunk of " + std::to_string(chunks.size) +
                                        " tokens is not a whole number of blocks (" + std::to_string(bq) + ", " +
                                        std::to_string(bk) + ")");
-    q_blocks_ = chunks.size / bq;
-    k_blocks_ = chunks.size / bk;
+    q_blocks = chunks.size / bq;
+    k_blocks = chunks.size / bk;
     if (!sharding.cu_seqlens.empty()) read_documents(sharding.cu_seqlens);
+    sparse = local.format == Format::bitmask;
+    Bs = sparse ? local.sparsity_batch : 1;
+    Hs = sparse ? local.sparsity_heads : 1;
+
+    Problem pair = local;
+    pair.max_seqlen_q = pair.max_seqlen_kv = static_cast<int>(chunks.size);
+    pair.mask.alignment = Alignment::top_left;
+    pair.mask.document_ids = documents;
+    for (const bool pass : {false, true}) {  // false: the forward
+      if (!(pass ? backward : forward)) continue;
+      pair.backward = pass;
+      pair.out_dtype = pass ? local.out_dtype : DType::f32;  // the forward's parts, merged in fp32
+      pair.mask.causal = false;
+      plans[pass][0] = std::make_unique<Plan>(pair);
+      pair.mask.causal = true;
+      if (sharding.causal) plans[pass][1] = std::make_unique<Plan>(pair);
+    }
+  }
+
+  // Throws for the backward when its plans were not made (ShardedPlan without local.backward).
+  Plan& pair_plan(bool backward, int qc, int kc) const {
+    if (!plans[backward][0])
+      throw Error("problem.backward", "run_backward() needs a ShardedPlan made with local.backward = true");
+    return *plans[backward][kc == qc && plans[backward][1] ? 1 : 0];
+  }
+  // Documents are contiguous: a chunk holds those from its first token's to its last token's.
+  std::int32_t first_doc(int chunk) const { return doc_of_token[static_cast<std::size_t>(chunk * chunks.size)]; }
+  std::int32_t last_doc(int chunk) const { return doc_of_token[static_cast<std::size_t>((chunk + 1) * chunks.size - 1)]; }
+
+  Problem local;
+  Sharding sharding;
+  std::int64_t B = 0, S = 0, Hq = 0, Hkv = 0, D = 0;
+  Chunks chunks;
+  std::int64_t q_blocks = 0, k_blocks = 0, Bs = 1, Hs = 1;
+  bool sparse = false, documents = false;
+  std::vector<std::int32_t> doc_of_token;  // with documents: every global token's
+  std::unique_ptr<Plan> plans[2][2];       // [backward][diagonal]
+
+ private:
+  // The document of every global token, from Sharding::cu_seqlens (checked).
+  void read_documents(const std::vector<std::int64_t>& offsets) {
+    const std::int64_t total = chunks.size * chunks.count;
+    if (B != 1) throw Error("sharding.cu_seqlens", "packed documents take batch 1, got " + std::to_string(B));
+    bool ok = offsets.front() == 0 && offsets.back() == total && offsets.size() - 1 <= std::size_t(INT32_MAX);
+    for (std::size_t i = 1; i < offsets.size() && ok; ++i) ok = offsets[i] >= offsets[i - 1];
+    if (!ok)
+      throw Error("sharding.cu_seqlens", "expected non-decreasing offsets from 0 to the sequence's " +
+                                             std::to_string(total) + " tokens, got " + std::to_string(offsets.size()) +
+                                             " offsets from " + std::to_string(offsets.front()) + " to " +
+                                             std::to_string(offsets.back()));
+    documents = true;
+    doc_of_token.resize(static_cast<std::size_t>(total));
+    for (std::size_t d = 0; d + 1 < offsets.size(); ++d)
+      std::fill(doc_of_token.begin() + offsets[d], doc_of_token.begin() + offsets[d + 1], static_cast<std::int32_t>(d));
+  }
+};
+
+namespace {
+
+// ------------------------------------------------------------------ shards
+// What the forward and the backward share in one call: the rank's chunks and the key chunks their
+// rows use (agreed with the other ranks by an all-gather), the pairs' block masks and document
+// ids, and the exchange of the used K/V chunks, posted so that the caller attends the chunks it
+// holds while the others travel. Buffers come from `scratch`, on the problem's device.
+class Shards {
+ public:
+  // Checks the tensors and finds the chunks this rank's rows use; nothing is sent (agree()).
+  Shards(const ShardedPlan::Impl& plan, Scratch& scratch, Transport& transport, const TensorView& q, const TensorView& k,
+         const TensorView& v, const TensorView& block_mask, const TensorView& out, const TensorView& lse, bool backward)
+      : plan_(plan), scratch_(scratch), transport_(transport), local_(plan.local), q_(q), k_(k), v_(v) {
+    const Problem& local = plan.local;
+    world_ = transport.world();
+    rank_ = transport.rank();
+    if (world_ != plan.chunks.world)
+      throw Error("transport", "has " + std::to_string(world_) + " ranks, the plan was made for " +
+                                   std::to_string(plan.chunks.world));
+    B = plan.B, S = plan.S, Hq = plan.Hq, Hkv = plan.Hkv, D = plan.D;
+    chunks = plan.chunks;
+    q_blocks_ = plan.q_blocks, k_blocks_ = plan.k_blocks, Bs_ = plan.Bs, Hs_ = plan.Hs;
+    sparse_ = plan.sparse;
     const std::int64_t words = (k_blocks_ * chunks.count + 31) / 32;
     expect_shape(q, "q", {B, S, Hq, D}, local.dtype, local);
     expect_shape(k, "k", {B, S, Hkv, D}, local.dtype, local);
@@ -104,23 +181,9 @@ class Shards {
           throw Error(name, "on a GPU a token's heads must be contiguous (strides [.., .., " + std::to_string(D) +
                                 ", 1]), got " + t->shape_string() + " with strides [.., .., " +
                                 std::to_string(t->stride[2]) + ", " + std::to_string(t->stride[3]) + "]");
-    sparse_ = local.format == Format::bitmask;
-    Bs_ = sparse_ ? local.sparsity_batch : 1;
-    Hs_ = sparse_ ? local.sparsity_heads : 1;
     if (sparse_)
       expect_shape(block_mask, "block_mask", {Bs_, Hs_, q_blocks_ * chunks.per_rank, words}, DType::u32, local, true);
-
-    // A (query chunk, key chunk) pair: one plan serves every pair, and with the causal mask a
-    // second one the diagonal pairs (causal within the chunk).
-    Problem pair = local;
-    pair.max_seqlen_q = pair.max_seqlen_kv = static_cast<int>(chunks.size);
-    if (!backward) pair.out_dtype = DType::f32;  // the forward's parts, merged in fp32
-    pair.backward = backward;
-    pair.mask.alignment = Alignment::top_left;
-    pair.mask.document_ids = documents_;
-    off_diagonal_ = std::make_unique<Plan>(pair);
-    pair.mask.causal = true;
-    if (sharding.causal) diagonal_ = std::make_unique<Plan>(pair);
+    if (backward) plan.pair_plan(true, 0, 0);  // throws without the backward's plans
 
     if (sparse_) block_mask_ = scratch_.to_host(block_mask, block_mask_copy_);
     mine = chunks.of_rank(rank_);
@@ -128,14 +191,14 @@ class Shards {
     for (int kc = 0; kc < chunks.count; ++kc) {
       bool needed = false;
       for (std::size_t i = 0; i < mine.size(); ++i)
-        if (used(mine[i], kc, sharding.causal)) keys[i].push_back(kc), needed = true;
+        if (used(mine[i], kc)) keys[i].push_back(kc), needed = true;
       if (needed) needs.push_back(kc);
     }
     chunk_elems = B * chunks.size * Hkv * D;
     if (sparse_) upload_pair_masks();
-    if (documents_) {
-      doc_ids_ = static_cast<std::int32_t*>(scratch_.allocate(doc_of_token_.size() * sizeof(std::int32_t)));
-      scratch_.upload(doc_ids_, doc_of_token_.data(), doc_of_token_.size() * sizeof(std::int32_t));
+    if (plan.documents) {
+      doc_ids_ = static_cast<std::int32_t*>(scratch_.allocate(plan.doc_of_token.size() * sizeof(std::int32_t)));
+      scratch_.upload(doc_ids_, plan.doc_of_token.data(), plan.doc_of_token.size() * sizeof(std::int32_t));
     }
   }
 
@@ -229,7 +292,7 @@ class Shards {
     in.q = rows(q_, mine[qi]);
     in.k = kk;
     in.v = vv;
-    if (documents_) {  // the two chunks' document ids, [1, chunk] each
+    if (plan_.documents) {  // the two chunks' document ids, [1, chunk] each
       in.doc_q = view(doc_ids_ + mine[qi] * chunks.size, DType::i32, {1, chunks.size});
       in.doc_kv = view(doc_ids_ + keys[qi][part] * chunks.size, DType::i32, {1, chunks.size});
     }
@@ -238,7 +301,7 @@ class Shards {
                              {Bs_, Hs_, q_blocks_, pair_words()});
     return in;
   }
-  Plan& plan(int qc, int kc) { return diagonal_ && kc == qc ? *diagonal_ : *off_diagonal_; }
+  Plan& plan(bool backward, int qc, int kc) const { return plan_.pair_plan(backward, qc, kc); }
 
   // The rows of local chunk `chunk` in a [B, S, H, D] tensor, or in an LSE [B, H, S].
   TensorView rows(const TensorView& t, int chunk) const { return slice(t, 1, local_index(chunk) * chunks.size, chunks.size); }
@@ -267,9 +330,10 @@ class Shards {
     return (*w >> (col % 32)) & 1u;
   }
   // Key chunk kc is used by query chunk qc: not in its causal future, and some block kept.
-  bool used(int qc, int kc, bool causal) const {
-    if (causal && kc > qc) return false;
-    if (documents_ && (last_doc(qc) < first_doc(kc) || last_doc(kc) < first_doc(qc))) return false;  // no shared one
+  bool used(int qc, int kc) const {
+    if (plan_.sharding.causal && kc > qc) return false;
+    if (plan_.documents && (plan_.last_doc(qc) < plan_.first_doc(kc) || plan_.last_doc(kc) < plan_.first_doc(qc)))
+      return false;  // no document in common
     if (!sparse_) return true;
     const std::int64_t row0 = local_index(qc) * q_blocks_;
     for (std::int64_t bs = 0; bs < Bs_; ++bs)
@@ -279,26 +343,6 @@ class Shards {
             if (bit(bs, hs, r, c)) return true;
     return false;
   }
-  // The document of every global token, from Sharding::cu_seqlens (checked).
-  void read_documents(const std::vector<std::int64_t>& offsets) {
-    const std::int64_t total = chunks.size * chunks.count;
-    if (B != 1) throw Error("sharding.cu_seqlens", "packed documents take batch 1, got " + std::to_string(B));
-    bool ok = offsets.front() == 0 && offsets.back() == total && offsets.size() - 1 <= std::size_t(INT32_MAX);
-    for (std::size_t i = 1; i < offsets.size() && ok; ++i) ok = offsets[i] >= offsets[i - 1];
-    if (!ok)
-      throw Error("sharding.cu_seqlens", "expected non-decreasing offsets from 0 to the sequence's " +
-                                             std::to_string(total) + " tokens, got " + std::to_string(offsets.size()) +
-                                             " offsets from " + std::to_string(offsets.front()) + " to " +
-                                             std::to_string(offsets.back()));
-    documents_ = true;
-    doc_of_token_.resize(static_cast<std::size_t>(total));
-    for (std::size_t d = 0; d + 1 < offsets.size(); ++d)
-      std::fill(doc_of_token_.begin() + offsets[d], doc_of_token_.begin() + offsets[d + 1], static_cast<std::int32_t>(d));
-  }
-  // Documents are contiguous: a chunk holds those from its first token's to its last token's.
-  std::int32_t first_doc(int chunk) const { return doc_of_token_[static_cast<std::size_t>(chunk * chunks.size)]; }
-  std::int32_t last_doc(int chunk) const { return doc_of_token_[static_cast<std::size_t>((chunk + 1) * chunks.size - 1)]; }
-
   // Every used pair's bits over its key chunk's blocks, in one buffer on the problem's device
   // (pair (qi, part) at first_pair_[qi] + part).
   void upload_pair_masks() {
@@ -321,6 +365,7 @@ class Shards {
     scratch_.upload(pair_bits_, bits.data(), bits.size() * sizeof(std::uint32_t));
   }
 
+  const ShardedPlan::Impl& plan_;
   Scratch& scratch_;
   Transport& transport_;
   const Problem& local_;
@@ -329,24 +374,19 @@ class Shards {
   int world_ = 1, rank_ = 0;
   std::int64_t q_blocks_ = 0, k_blocks_ = 0, Bs_ = 1, Hs_ = 1;
   bool sparse_ = false;
-  std::unique_ptr<Plan> off_diagonal_, diagonal_;
   std::uint32_t* pair_bits_ = nullptr;
-  bool documents_ = false;
-  std::vector<std::int32_t> doc_of_token_;  // global tokens' documents (host), and on the device:
-  std::int32_t* doc_ids_ = nullptr;
+  std::int32_t* doc_ids_ = nullptr;  // the plan's documents of every global token, on the device
   std::vector<std::size_t> first_pair_;
   std::vector<void*> received_;  // per needed chunk: its received K and V (held chunks: none)
   std::vector<int> receive_of_;  // per needed chunk: its K receive's index (V follows), -1 if held
 };
 
-}  // namespace
-
-// ------------------------------------------------------------------ attention
-Stats attention(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
-                const TensorView& k, const TensorView& v, const TensorView& block_mask, const TensorView& out,
-                const TensorView& lse, Stream stream) {
-  Scratch scratch(local.device, local.device_index, stream);
-  Shards sh(scratch, transport, local, sharding, q, k, v, block_mask, out, lse, false);
+// ------------------------------------------------------------------ forward
+Stats run_forward(const ShardedPlan::Impl& plan, Transport& transport, const TensorView& q, const TensorView& k,
+                  const TensorView& v, const TensorView& block_mask, const TensorView& out, const TensorView& lse,
+                  Stream stream) {
+  Scratch scratch(plan.local.device, plan.local.device_index, stream);
+  Shards sh(plan, scratch, transport, q, k, v, block_mask, out, lse, false);
   sh.agree();
   Stats stats;
   const std::unique_ptr<Transport::Exchange> exchange = sh.post_key_chunks(stats);
@@ -364,7 +404,7 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
     Outputs o;
     o.out = sh.view(part_out[qi] + part * out_elems, DType::f32, {sh.B, sh.chunks.size, sh.Hq, sh.D});
     o.lse = sh.view(part_lse[qi] + part * lse_elems, DType::f32, {sh.B, sh.Hq, sh.chunks.size});
-    sh.plan(sh.mine[qi], kc).run(sh.pair_inputs(qi, part, kk, vv), o, stream);
+    sh.plan(false, sh.mine[qi], kc).run(sh.pair_inputs(qi, part, kk, vv), o, stream);
   });
   for (std::size_t qi = 0; qi < sh.mine.size(); ++qi) {
     const std::int64_t n = std::max<std::int64_t>(static_cast<std::int64_t>(sh.keys[qi].size()), 1);
@@ -375,11 +415,12 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
   return stats;
 }
 
-// ------------------------------------------------------------------ attention_backward
-Stats attention_backward(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
-                         const TensorView& k, const TensorView& v, const TensorView& block_mask,
-                         const TensorView& out, const TensorView& lse, const TensorView& dout, const TensorView& dq,
-                         const TensorView& dk, const TensorView& dv, Stream stream) {
+// ------------------------------------------------------------------ backward
+Stats run_backward(const ShardedPlan::Impl& plan, Transport& transport, const TensorView& q, const TensorView& k,
+                   const TensorView& v, const TensorView& block_mask, const TensorView& out, const TensorView& lse,
+                   const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                   Stream stream) {
+  const Problem& local = plan.local;
   const auto gradient_of = [&](const TensorView& g, const char* name, const TensorView& like) {
     if (g.dtype != DType::f32 && g.dtype != local.dtype)
       throw Error(name, "expected f32 or the inputs' " + std::string(to_string(local.dtype)) + ", got " +
@@ -388,7 +429,7 @@ Stats attention_backward(Transport& transport, const Problem& local, const Shard
     if (g.stride[3] != 1) throw Error(name, "the last dimension must be contiguous");
   };
   Scratch scratch(local.device, local.device_index, stream);
-  Shards sh(scratch, transport, local, sharding, q, k, v, block_mask, out, lse, true);
+  Shards sh(plan, scratch, transport, q, k, v, block_mask, out, lse, true);
   expect_shape(dout, "dout", {sh.B, sh.S, sh.Hq, sh.D}, local.out_dtype, local);
   gradient_of(dq, "dq", q);
   gradient_of(dk, "dk", k);
@@ -418,7 +459,7 @@ Stats attention_backward(Transport& transport, const Problem& local, const Shard
     g.dq = sh.view(gq, DType::f32, {sh.B, sh.chunks.size, sh.Hq, sh.D});
     g.dk = sh.view(gk, DType::f32, {sh.B, sh.chunks.size, sh.Hkv, sh.D});
     g.dv = sh.view(gv, DType::f32, {sh.B, sh.chunks.size, sh.Hkv, sh.D});
-    sh.plan(qc, kc).run_backward(sh.pair_inputs(qi, part, kk, vv), bin, g, stream);
+    sh.plan(true, qc, kc).run_backward(sh.pair_inputs(qi, part, kk, vv), bin, g, stream);
     const std::size_t slot = static_cast<std::size_t>(std::find(sh.needs.begin(), sh.needs.end(), kc) - sh.needs.begin());
     scratch.add(dq_sum + qi * q_elems, gq, q_elems);
     scratch.add(dk_sum[slot], gk, kv_elems);
@@ -463,6 +504,44 @@ Stats attention_backward(Transport& transport, const Problem& local, const Shard
     scratch.store(dv_local + i * kv_elems, sh.rows(dv, sh.mine[i]));
   }
   return stats;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ entry points
+ShardedPlan::ShardedPlan(const Problem& local, const Sharding& sharding, int world)
+    : impl_(std::make_unique<Impl>(local, sharding, world, true, local.backward)) {}
+ShardedPlan::~ShardedPlan() = default;
+ShardedPlan::ShardedPlan(ShardedPlan&&) noexcept = default;
+ShardedPlan& ShardedPlan::operator=(ShardedPlan&&) noexcept = default;
+
+Stats ShardedPlan::run(Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
+                       const TensorView& block_mask, const TensorView& out, const TensorView& lse, Stream stream) {
+  return run_forward(*impl_, transport, q, k, v, block_mask, out, lse, stream);
+}
+
+Stats ShardedPlan::run_backward(Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
+                                const TensorView& block_mask, const TensorView& out, const TensorView& lse,
+                                const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                const TensorView& dv, Stream stream) {
+  return distributed::run_backward(*impl_, transport, q, k, v, block_mask, out, lse, dout, dq, dk, dv, stream);
+}
+
+Stats attention(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
+                const TensorView& k, const TensorView& v, const TensorView& block_mask, const TensorView& out,
+                const TensorView& lse, Stream stream) {
+  const ShardedPlan::Impl plan(local, sharding, transport.world(), true, false);
+  return run_forward(plan, transport, q, k, v, block_mask, out, lse, stream);
+}
+
+Stats attention_backward(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
+                         const TensorView& k, const TensorView& v, const TensorView& block_mask,
+                         const TensorView& out, const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                         const TensorView& dk, const TensorView& dv, Stream stream) {
+  Problem backward = local;
+  backward.backward = true;
+  const ShardedPlan::Impl plan(backward, sharding, transport.world(), false, true);
+  return run_backward(plan, transport, q, k, v, block_mask, out, lse, dout, dq, dk, dv, stream);
 }
 
 }  // namespace bsattn::distributed

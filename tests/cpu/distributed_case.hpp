@@ -355,6 +355,24 @@ inline void expect_same_gradients(const Result& got, const Result& want, float t
   EXPECT_EQ(bad, 0u) << what;
 }
 
+// A ShardedPlan per rank for `s`'s geometry, with backward, its problem adjusted by `adjust`
+// (e.g. to a GPU's).
+template <class Adjust>
+std::vector<dist::ShardedPlan> plans_for(const Spec& s, const Adjust& adjust) {
+  std::vector<dist::ShardedPlan> plans;
+  const std::int64_t local = std::int64_t(s.chunk) * (s.layout == dist::Layout::zigzag ? 2 : 1);
+  for (int rank = 0; rank < s.world; ++rank) {
+    bsattn::Problem p = Sequence(s).problem(local);
+    p.backward = true;
+    adjust(p);
+    dist::Sharding sharding;
+    sharding.layout = s.layout;
+    sharding.causal = s.causal;
+    plans.emplace_back(p, sharding, s.world);
+  }
+  return plans;
+}
+
 // The stats of a causal band of one chunk on 4 contiguous ranks (Spec::band): a rank receives only
 // the previous chunk (rank 0 nothing), a quarter of what an all-gather would bring (3 chunks per
 // rank), and attends its own diagonal pair while that chunk travels.

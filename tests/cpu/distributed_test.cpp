@@ -19,7 +19,8 @@ using namespace distributed_case;
 
 // A rank's forward and backward on the CPU engine with host tensors: O in f32, then the backward
 // on it with dQ in the inputs' dtype (rounded once for bf16 cases), dK and dV in f32.
-RankResult run_on_host(dist::Transport& transport, RankData d) {
+// With `plan`, through it (made for this rank's problem and sharding with backward set).
+RankResult run_on_host(dist::Transport& transport, RankData d, dist::ShardedPlan* plan = nullptr) {
   const Spec& s = d.spec;
   const std::int64_t local = d.local;
   RankResult r;
@@ -33,19 +34,21 @@ RankResult run_on_host(dist::Transport& transport, RankData d) {
                                    : TensorView{};
   const TensorView out = TensorView::contiguous(r.out.data(), DType::f32, {s.batch, local, s.hq, s.d});
   const TensorView lse = TensorView::contiguous(r.lse.data(), DType::f32, {s.batch, s.hq, local});
-  r.stats = dist::attention(transport, d.problem, d.sharding, q, k, v, mask, out, lse);
+  r.stats = plan ? plan->run(transport, q, k, v, mask, out, lse)
+                 : dist::attention(transport, d.problem, d.sharding, q, k, v, mask, out, lse);
   r.dq.assign(r.out.size(), NAN);
   r.dk.assign(std::size_t(s.batch) * local * s.hkv * s.d, NAN);
   r.dv.assign(r.dk.size(), NAN);
   std::vector<std::uint16_t> dq_half(r.dq.size(), 0xffffu);
   const bool dq_half_wanted = s.dtype == DType::bf16;
-  r.stats_backward = dist::attention_backward(
-      transport, d.problem, d.sharding, q, k, v, mask, out, lse,
-      TensorView::contiguous(d.dout.values.data(), DType::f32, {s.batch, local, s.hq, s.d}),
-      TensorView::contiguous(dq_half_wanted ? static_cast<void*>(dq_half.data()) : r.dq.data(), s.dtype,
-                             {s.batch, local, s.hq, s.d}),
-      TensorView::contiguous(r.dk.data(), DType::f32, {s.batch, local, s.hkv, s.d}),
-      TensorView::contiguous(r.dv.data(), DType::f32, {s.batch, local, s.hkv, s.d}));
+  const TensorView dout = TensorView::contiguous(d.dout.values.data(), DType::f32, {s.batch, local, s.hq, s.d});
+  const TensorView dq = TensorView::contiguous(dq_half_wanted ? static_cast<void*>(dq_half.data()) : r.dq.data(),
+                                               s.dtype, {s.batch, local, s.hq, s.d});
+  const TensorView dk = TensorView::contiguous(r.dk.data(), DType::f32, {s.batch, local, s.hkv, s.d});
+  const TensorView dv = TensorView::contiguous(r.dv.data(), DType::f32, {s.batch, local, s.hkv, s.d});
+  r.stats_backward = plan ? plan->run_backward(transport, q, k, v, mask, out, lse, dout, dq, dk, dv)
+                          : dist::attention_backward(transport, d.problem, d.sharding, q, k, v, mask, out, lse, dout,
+                                                     dq, dk, dv);
   if (dq_half_wanted)
     for (std::size_t i = 0; i < r.dq.size(); ++i) r.dq[i] = bsattn::cpu::bf16_to_float(dq_half[i]);
   return r;
@@ -127,6 +130,50 @@ TEST(Distributed, DocumentsWithinChunksMoveNothing) {
       EXPECT_EQ(got.stats[rank].chunks_received, 0) << describe(s) << ", rank " << rank;
       EXPECT_EQ(got.stats[rank].pairs_attended, layout == dist::Layout::zigzag ? 2 : 1) << describe(s) << ", rank " << rank;
     }
+  }
+}
+
+// A ShardedPlan per rank serves calls on new inputs and new patterns of the same geometry, each
+// equal to the single-process call; it refuses a transport of another size, and a backward when
+// it was made without local.backward.
+TEST(Distributed, ShardedPlanServesRepeatedCalls) {
+  Spec s = grid_case(2, dist::Layout::zigzag, true, 3, 400);
+  std::vector<dist::ShardedPlan> plans = plans_for(s, [](bsattn::Problem&) {});
+  for (int call = 0; call < 3; ++call) {
+    s.seed = 400 + call;  // new Q, K, V and pattern
+    const Sequence seq(s);
+    dist::LocalGroup group(s.world);
+    const Result got = seq.sharded([&](const RankData& d) {
+      auto transport = group.transport(d.rank);
+      return run_on_host(*transport, d, &plans[d.rank]);
+    });
+    const Result want = seq.reference();
+    expect_same(got, want, 2e-5f, "call " + std::to_string(call));
+    expect_same_gradients(got, want, 1e-4f, 0.0f, "call " + std::to_string(call) + " backward");
+  }
+  bsattn::Problem forward_only = Sequence(s).problem(2 * s.chunk);
+  dist::ShardedPlan plan(forward_only, dist::Sharding{dist::Layout::zigzag, true, {}}, 1);
+  dist::LocalGroup one(1);
+  auto solo = one.transport(0);
+  std::vector<float> x(std::size_t(2 * s.chunk) * s.hq * s.d), y(std::size_t(2 * s.chunk) * s.hkv * s.d), l(2 * s.chunk * s.hq);
+  const auto q = TensorView::contiguous(x.data(), DType::f32, {1, 2 * s.chunk, s.hq, s.d});
+  const auto kv = TensorView::contiguous(y.data(), DType::f32, {1, 2 * s.chunk, s.hkv, s.d});
+  const auto lse = TensorView::contiguous(l.data(), DType::f32, {1, s.hq, 2 * s.chunk});
+  std::vector<std::uint32_t> bits(std::size_t(s.hq) * (2 * s.chunk / s.bq) * 1, ~0u);
+  const auto mask = TensorView::contiguous(bits.data(), DType::u32, {1, s.hq, 2 * s.chunk / s.bq, 1});
+  try {
+    plan.run_backward(*solo, q, kv, kv, mask, q, lse, q, q, kv, kv);
+    ADD_FAILURE() << "a backward without its plans was accepted";
+  } catch (const bsattn::Error& e) {
+    EXPECT_EQ(e.argument(), "problem.backward") << e.what();
+  }
+  dist::LocalGroup three(3);
+  auto transport = three.transport(0);
+  try {
+    plans[0].run(*transport, q, kv, kv, mask, q, lse);
+    ADD_FAILURE() << "a transport of 3 ranks was accepted by a plan for 2";
+  } catch (const bsattn::Error& e) {
+    EXPECT_EQ(e.argument(), "transport") << e.what();
   }
 }
 

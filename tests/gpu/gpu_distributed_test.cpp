@@ -59,9 +59,18 @@ std::vector<float> to_float(const std::vector<std::uint16_t>& bf16) {
   return out;
 }
 
+// A rank's problem on GPU `device`: O in the inputs' dtype, which the GPU backward reads.
+void on_gpu(bsattn::Problem& p, int device) {
+  p.out_dtype = p.dtype;
+  p.device = Device::cuda;
+  p.device_index = device;
+}
+
 // A rank's forward and backward on GPU `device` with bf16 device tensors on a stream of its own:
 // O in bf16 (what the GPU backward reads), then the backward with dQ, dK, dV in f32.
-RankResult run_on_gpu(dist::Transport& transport, const RankData& d, int device, bool mask_on_device) {
+// With `plan`, through it (made for this rank's GPU problem with backward set).
+RankResult run_on_gpu(dist::Transport& transport, const RankData& d, int device, bool mask_on_device,
+                      dist::ShardedPlan* plan = nullptr) {
   const Spec& s = d.spec;
   const std::int64_t local = d.local, q_elems = std::int64_t(s.batch) * local * s.hq * s.d,
                      kv_elems = std::int64_t(s.batch) * local * s.hkv * s.d;
@@ -75,9 +84,7 @@ RankResult run_on_gpu(dist::Transport& transport, const RankData& d, int device,
       dq(nullptr, 4 * q_elems, device), dk(nullptr, 4 * kv_elems, device), dv(nullptr, 4 * kv_elems, device);
   cudaDeviceSynchronize();  // the uploads (legacy stream) before the rank's stream reads them
   bsattn::Problem p = d.problem;
-  p.out_dtype = s.dtype;
-  p.device = Device::cuda;
-  p.device_index = device;
+  on_gpu(p, device);
   const auto rows = [&](const DeviceArray& a, DType dtype, int heads) {  // [B, local, heads, D]
     return a.view(dtype, {s.batch, local, heads, s.d}, device);
   };
@@ -89,10 +96,13 @@ RankResult run_on_gpu(dist::Transport& transport, const RankData& d, int device,
                             ? mask.view(DType::u32, {m[0], m[1], m[2], m[3]}, device)
                             : TensorView::contiguous(d.mask.data(), DType::u32, {m[0], m[1], m[2], m[3]});
   RankResult r;
-  r.stats = dist::attention(transport, p, d.sharding, qv, kv, vv, mv, ov, lv, stream);
-  r.stats_backward = dist::attention_backward(transport, p, d.sharding, qv, kv, vv, mv, ov, lv, rows(dout, s.dtype, s.hq),
-                                              rows(dq, DType::f32, s.hq), rows(dk, DType::f32, s.hkv),
-                                              rows(dv, DType::f32, s.hkv), stream);
+  const TensorView dov = rows(dout, s.dtype, s.hq), dqv = rows(dq, DType::f32, s.hq), dkv = rows(dk, DType::f32, s.hkv),
+                   dvv = rows(dv, DType::f32, s.hkv);
+  r.stats = plan ? plan->run(transport, qv, kv, vv, mv, ov, lv, stream)
+                 : dist::attention(transport, p, d.sharding, qv, kv, vv, mv, ov, lv, stream);
+  r.stats_backward = plan ? plan->run_backward(transport, qv, kv, vv, mv, ov, lv, dov, dqv, dkv, dvv, stream)
+                          : dist::attention_backward(transport, p, d.sharding, qv, kv, vv, mv, ov, lv, dov, dqv, dkv,
+                                                     dvv, stream);
   const cudaError_t done = cudaStreamSynchronize(stream);
   cudaStreamDestroy(stream);
   if (done != cudaSuccess) throw std::runtime_error(std::string("rank stream: ") + cudaGetErrorString(done));
@@ -192,6 +202,25 @@ TEST(GpuDistributed, PackedDocuments) {
   const Result got = sharded_on_gpu(seq, s.world, true);
   expect_same(got, seq.reference(), 1e-2f, describe(s) + ", a document per chunk");
   for (int rank = 0; rank < s.world; ++rank) EXPECT_EQ(got.stats[rank].chunks_received, 0) << "rank " << rank;
+}
+
+// A ShardedPlan per rank serves calls on new inputs and patterns of the same geometry.
+TEST(GpuDistributed, ShardedPlanServesRepeatedCalls) {
+  REQUIRE_SM90();
+  Spec s = gpu_spec(2, dist::Layout::zigzag, true, 3, 401);
+  std::vector<dist::ShardedPlan> plans = plans_for(s, [](bsattn::Problem& p) { on_gpu(p, 0); });
+  for (int call = 0; call < 3; ++call) {
+    s.seed = 401 + 2 * call;  // new Q, K, V and pattern; blocks of 64 throughout
+    const Sequence seq(s);
+    dist::LocalGroup group(s.world);
+    const Result got = seq.sharded([&](const RankData& d) {
+      auto transport = group.transport(d.rank);
+      return run_on_gpu(*transport, d, 0, call % 2 == 0, &plans[d.rank]);
+    });
+    const Result want = seq.reference();
+    expect_same(got, want, 1e-2f, describe(s) + ", call " + std::to_string(call));
+    expect_close_gradients(got, want, describe(s) + ", call " + std::to_string(call) + " backward");
+  }
 }
 
 TEST(GpuDistributed, BadInputsNameTheArgument) {
