@@ -19,13 +19,13 @@
 //
 // Devices. The tensors' device (problem.device) decides where a call runs. Device::cpu: the CPU
 // engine, and the call returns when done. Device::cuda: the GPU kernels on `stream`. The call
-// waits for the GPU to read the block mask (which chunks are used is host knowledge), in the
-// transport's all_gather, and at its end, when the pair plans free their workspaces (cudaFree);
-// the rest is enqueued on `stream` in order. Its buffers are stream-ordered allocations on
-// `stream`, freed in stream order. The transport moves the
-// memory of the tensors' device: LocalGroup either kind (threads of one process, e.g. ranks
-// sharing one GPU in tests), nccl_transport() (distributed_nccl.hpp, library bsattn::nccl) device
-// memory over NCCL, one rank per GPU.
+// waits for the GPU to read the block pattern (which chunks are used is host knowledge), in the
+// transport's all_gather, and, for attention() and attention_backward(), at its end, when the
+// pair plans free their workspaces (a ShardedPlan keeps them); the rest is enqueued on `stream`
+// in order. Its buffers are stream-ordered allocations on `stream`, freed in stream order. The
+// transport moves the memory of the tensors' device: LocalGroup either kind (threads of one
+// process, e.g. ranks sharing one GPU in tests), nccl_transport() (distributed_nccl.hpp, library
+// bsattn::nccl) device memory over NCCL, one rank per GPU.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -113,19 +113,28 @@ struct Stats {
   int pairs_before_first_wait = 0;  // of those, run before the first wait for a received chunk (all: none received)
 };
 
+// A rank's block pattern: its query blocks (in its local order) over the global key blocks, in
+// the problem's batched format (SPEC §3: block_lists cnt [Bs, Hs, nQB] / idx [Bs, Hs, nQB, L];
+// bsr over those rows; bitmask uint32 [Bs, Hs, nQB, ceil(nKB / 32)], bit j % 32 of word j / 32
+// keeping key block j), nQB = S_local / Bq and nKB = S / Bk. On the host or the problem's device:
+// it is read on the host. With has_full the full set is attended like the partial one (the
+// chunk pairs' masks are the sharding's). all_blocks takes none.
+struct Pattern {
+  BlockSet partial, full;
+};
+
 // This rank's rows. `local` describes them as a single-process problem over the rank's tokens:
 // batch, heads, head_dim, dtypes, block sizes, scale, validate, num_threads (max_seqlen_q and
 // max_seqlen_kv: the rank's token count; layouts batched and contiguous; no mask, proxy, tiles);
-// format all_blocks (every block) or bitmask, whose sparsity_batch / sparsity_heads give
-// `block_mask`'s Bs and Hs. q [B, S_local, Hq, D], k and v [B, S_local, Hkv, D]; block_mask
-// uint32 [Bs, Hs, S_local / Bq, ceil(S / Bk / 32)] (this rank's query blocks in its local order x
-// the global key blocks, bit j % 32 of word j / 32 keeps block j), undefined with all_blocks; out [B, S_local, Hq, D] of
-// local.out_dtype, lse f32 [B, Hq, S_local] (may be left undefined). Every tensor on local.device
-// (block_mask may also be on the host); on a GPU each token's heads are contiguous in K and V
-// (stride[2] == D: a chunk travels as one copy per batch). Throws bsattn::Error naming the
-// argument before anything is sent when the shapes or the layout do not fit.
+// format all_blocks (every block), block_lists, bsr or bitmask, whose sparsity_batch /
+// sparsity_heads give the pattern's Bs and Hs. q [B, S_local, Hq, D], k and v
+// [B, S_local, Hkv, D]; out [B, S_local, Hq, D] of local.out_dtype, lse f32 [B, Hq, S_local]
+// (may be left undefined). Every tensor on local.device; on a GPU each token's heads are
+// contiguous in K and V (stride[2] == D: a chunk travels as one copy per batch). Throws
+// bsattn::Error naming the argument before anything is sent when the shapes, the layout or the
+// pattern's values do not fit.
 Stats attention(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
-                const TensorView& k, const TensorView& v, const TensorView& block_mask, const TensorView& out,
+                const TensorView& k, const TensorView& v, const Pattern& pattern, const TensorView& out,
                 const TensorView& lse, Stream stream = nullptr);
 
 // This rank's gradients of attention() for the loss gradient `dout` ([B, S_local, Hq, D], O's
@@ -137,7 +146,7 @@ Stats attention(Transport& transport, const Problem& local, const Sharding& shar
 // dK, dV, which go back to the chunk's owner and are summed there (fp32 throughout, rounded once).
 // On a GPU the backward's own rules hold (backward.hpp: f16 / bf16, out_dtype = dtype).
 Stats attention_backward(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
-                         const TensorView& k, const TensorView& v, const TensorView& block_mask,
+                         const TensorView& k, const TensorView& v, const Pattern& pattern,
                          const TensorView& out, const TensorView& lse, const TensorView& dout, const TensorView& dq,
                          const TensorView& dk, const TensorView& dv, Stream stream = nullptr);
 
@@ -145,7 +154,7 @@ Stats attention_backward(Transport& transport, const Problem& local, const Shard
 // the chunk pairs' plans are made once (on a GPU their workspaces stay allocated, so a call frees
 // nothing and does not wait for the GPU at its end), and each run() checks only its tensors. The
 // backward's pair plans are made when local.backward is set. `world`: the transports' rank count.
-// The calls' own costs remain: the block mask read on the host, the all-gather of the used
+// The calls' own costs remain: the pattern read on the host, the all-gather of the used
 // chunks, the pair masks (and document ids) copied to the device, stream-ordered buffers.
 class ShardedPlan {
  public:
@@ -155,9 +164,9 @@ class ShardedPlan {
   ShardedPlan& operator=(ShardedPlan&&) noexcept;
 
   Stats run(Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
-            const TensorView& block_mask, const TensorView& out, const TensorView& lse, Stream stream = nullptr);
+            const Pattern& pattern, const TensorView& out, const TensorView& lse, Stream stream = nullptr);
   Stats run_backward(Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
-                     const TensorView& block_mask, const TensorView& out, const TensorView& lse,
+                     const Pattern& pattern, const TensorView& out, const TensorView& lse,
                      const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                      Stream stream = nullptr);
 

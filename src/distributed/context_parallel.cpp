@@ -12,6 +12,8 @@
 #include "bsattn/distributed.hpp"
 #include "bsattn/merge.hpp"
 #include "bsattn/plan.hpp"
+#include "distributed/checks.hpp"
+#include "distributed/pattern.hpp"
 #include "distributed/scratch.hpp"
 
 namespace bsattn::distributed {
@@ -34,24 +36,6 @@ TensorView slice(TensorView t, int dim, std::int64_t begin, std::int64_t length)
   return t;
 }
 
-std::string place(Device device, int index) { return device == Device::cpu ? "CPU" : "cuda:" + std::to_string(index); }
-
-// `t` has this shape and dtype and lives with the problem (or, `host_too`, on the host).
-void expect_shape(const TensorView& t, const char* name, std::initializer_list<std::int64_t> shape, DType dtype,
-                  const Problem& local, bool host_too = false) {
-  const bool with_problem = t.device == local.device && (t.device == Device::cpu || t.device_index == local.device_index);
-  bool same = t.rank == static_cast<int>(shape.size()) && t.dtype == dtype && (with_problem || (host_too && t.device == Device::cpu));
-  int d = 0;
-  for (const std::int64_t n : shape) same = same && t.shape[d++] == n;
-  if (!same) {
-    std::string want = "[";
-    for (const std::int64_t n : shape) want += (want.size() > 1 ? ", " : "") + std::to_string(n);
-    throw Error(name, "expected a " + place(local.device, local.device_index) + " " + std::string(to_string(dtype)) +
-                          " tensor " + want + "], got " + std::string(to_string(t.dtype)) + " " + t.shape_string() +
-                          " on " + place(t.device, t.device_index));
-  }
-}
-
 }  // namespace
 
 // ------------------------------------------------------------------ the plan
@@ -71,10 +55,11 @@ struct ShardedPlan::Impl {
     if (local.q_layout != QLayout::batched || local.kv_layout != KVLayout::contiguous || local.mask.any() ||
         local.proxy != Proxy::off || local.tile_m != 0 || local.tile_n != 0)
       throw Error("problem", "batched Q, contiguous K/V, no mask (Sharding::causal), no proxy and no tile override");
-    if (local.format != Format::all_blocks && local.format != Format::bitmask)
-      throw Error("problem.format", "all_blocks or bitmask (the rank's rows over the global key blocks)");
-    if (local.format == Format::bitmask && (!local.has_partial || local.has_full))
-      throw Error("problem.has_full", "one bitmask of kept blocks (has_partial, no full set)");
+    if (local.format == Format::varlen_block_lists)
+      throw Error("problem.format", "a batched pattern: all_blocks, block_lists, bsr or bitmask (the rank's query "
+                                    "blocks over the global key blocks)");
+    if (local.format != Format::all_blocks && !local.has_partial)
+      throw Error("problem.has_partial", "a pattern has its partial set (and optionally a full one)");
     chunks.per_rank = sharding.layout == Layout::zigzag ? 2 : 1;
     chunks.world = world;
     chunks.count = world * chunks.per_rank;
@@ -89,7 +74,7 @@ struct ShardedPlan::Impl {
     q_blocks = chunks.size / bq;
     k_blocks = chunks.size / bk;
     if (!sharding.cu_seqlens.empty()) read_documents(sharding.cu_seqlens);
-    sparse = local.format == Format::bitmask;
+    sparse = local.format != Format::all_blocks;
     Bs = sparse ? local.sparsity_batch : 1;
     Hs = sparse ? local.sparsity_heads : 1;
 
@@ -97,6 +82,7 @@ struct ShardedPlan::Impl {
     pair.max_seqlen_q = pair.max_seqlen_kv = static_cast<int>(chunks.size);
     pair.mask.alignment = Alignment::top_left;
     pair.mask.document_ids = documents;
+    if (sparse) pair.format = Format::bitmask, pair.has_partial = true, pair.has_full = false;  // the pair's bits
     for (const bool pass : {false, true}) {  // false: the forward
       if (!(pass ? backward : forward)) continue;
       pair.backward = pass;
@@ -157,7 +143,7 @@ class Shards {
  public:
   // Checks the tensors and finds the chunks this rank's rows use; nothing is sent (agree()).
   Shards(const ShardedPlan::Impl& plan, Scratch& scratch, Transport& transport, const TensorView& q, const TensorView& k,
-         const TensorView& v, const TensorView& block_mask, const TensorView& out, const TensorView& lse, bool backward)
+         const TensorView& v, const Pattern& pattern, const TensorView& out, const TensorView& lse, bool backward)
       : plan_(plan), scratch_(scratch), transport_(transport), local_(plan.local), q_(q), k_(k), v_(v) {
     const Problem& local = plan.local;
     world_ = transport.world();
@@ -169,7 +155,6 @@ class Shards {
     chunks = plan.chunks;
     q_blocks_ = plan.q_blocks, k_blocks_ = plan.k_blocks, Bs_ = plan.Bs, Hs_ = plan.Hs;
     sparse_ = plan.sparse;
-    const std::int64_t words = (k_blocks_ * chunks.count + 31) / 32;
     expect_shape(q, "q", {B, S, Hq, D}, local.dtype, local);
     expect_shape(k, "k", {B, S, Hkv, D}, local.dtype, local);
     expect_shape(v, "v", {B, S, Hkv, D}, local.dtype, local);
@@ -181,11 +166,8 @@ class Shards {
           throw Error(name, "on a GPU a token's heads must be contiguous (strides [.., .., " + std::to_string(D) +
                                 ", 1]), got " + t->shape_string() + " with strides [.., .., " +
                                 std::to_string(t->stride[2]) + ", " + std::to_string(t->stride[3]) + "]");
-    if (sparse_)
-      expect_shape(block_mask, "block_mask", {Bs_, Hs_, q_blocks_ * chunks.per_rank, words}, DType::u32, local, true);
     if (backward) plan.pair_plan(true, 0, 0);  // throws without the backward's plans
-
-    if (sparse_) block_mask_ = scratch_.to_host(block_mask, block_mask_copy_);
+    if (sparse_) pattern_ = read_pattern(pattern, local, q_blocks_ * chunks.per_rank, k_blocks_ * chunks.count, scratch_);
     mine = chunks.of_rank(rank_);
     keys.resize(mine.size());
     for (int kc = 0; kc < chunks.count; ++kc) {
@@ -325,9 +307,7 @@ class Shards {
   std::int64_t pair_words() const { return (k_blocks_ + 31) / 32; }
   std::int64_t pair_mask_words() const { return Bs_ * Hs_ * q_blocks_ * pair_words(); }
   bool bit(std::int64_t bs, std::int64_t hs, std::int64_t row, std::int64_t col) const {
-    const auto* w = static_cast<const std::uint32_t*>(block_mask_.data) + bs * block_mask_.stride[0] +
-                    hs * block_mask_.stride[1] + row * block_mask_.stride[2] + (col / 32) * block_mask_.stride[3];
-    return (*w >> (col % 32)) & 1u;
+    return pattern_.kept(bs, hs, row, col);
   }
   // Key chunk kc is used by query chunk qc: not in its causal future, and some block kept.
   bool used(int qc, int kc) const {
@@ -369,8 +349,8 @@ class Shards {
   Scratch& scratch_;
   Transport& transport_;
   const Problem& local_;
-  TensorView q_, k_, v_, block_mask_;  // block_mask_: on the host
-  std::vector<unsigned char> block_mask_copy_;  // its bytes, when the caller's is on the device
+  TensorView q_, k_, v_;
+  PatternBits pattern_;  // with a pattern: the rank's rows over the global key blocks, on the host
   int world_ = 1, rank_ = 0;
   std::int64_t q_blocks_ = 0, k_blocks_ = 0, Bs_ = 1, Hs_ = 1;
   bool sparse_ = false;
@@ -383,10 +363,10 @@ class Shards {
 
 // ------------------------------------------------------------------ forward
 Stats run_forward(const ShardedPlan::Impl& plan, Transport& transport, const TensorView& q, const TensorView& k,
-                  const TensorView& v, const TensorView& block_mask, const TensorView& out, const TensorView& lse,
+                  const TensorView& v, const Pattern& pattern, const TensorView& out, const TensorView& lse,
                   Stream stream) {
   Scratch scratch(plan.local.device, plan.local.device_index, stream);
-  Shards sh(plan, scratch, transport, q, k, v, block_mask, out, lse, false);
+  Shards sh(plan, scratch, transport, q, k, v, pattern, out, lse, false);
   sh.agree();
   Stats stats;
   const std::unique_ptr<Transport::Exchange> exchange = sh.post_key_chunks(stats);
@@ -417,7 +397,7 @@ Stats run_forward(const ShardedPlan::Impl& plan, Transport& transport, const Ten
 
 // ------------------------------------------------------------------ backward
 Stats run_backward(const ShardedPlan::Impl& plan, Transport& transport, const TensorView& q, const TensorView& k,
-                   const TensorView& v, const TensorView& block_mask, const TensorView& out, const TensorView& lse,
+                   const TensorView& v, const Pattern& pattern, const TensorView& out, const TensorView& lse,
                    const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                    Stream stream) {
   const Problem& local = plan.local;
@@ -429,7 +409,7 @@ Stats run_backward(const ShardedPlan::Impl& plan, Transport& transport, const Te
     if (g.stride[3] != 1) throw Error(name, "the last dimension must be contiguous");
   };
   Scratch scratch(local.device, local.device_index, stream);
-  Shards sh(plan, scratch, transport, q, k, v, block_mask, out, lse, true);
+  Shards sh(plan, scratch, transport, q, k, v, pattern, out, lse, true);
   expect_shape(dout, "dout", {sh.B, sh.S, sh.Hq, sh.D}, local.out_dtype, local);
   gradient_of(dq, "dq", q);
   gradient_of(dk, "dk", k);
@@ -516,32 +496,32 @@ ShardedPlan::ShardedPlan(ShardedPlan&&) noexcept = default;
 ShardedPlan& ShardedPlan::operator=(ShardedPlan&&) noexcept = default;
 
 Stats ShardedPlan::run(Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
-                       const TensorView& block_mask, const TensorView& out, const TensorView& lse, Stream stream) {
-  return run_forward(*impl_, transport, q, k, v, block_mask, out, lse, stream);
+                       const Pattern& pattern, const TensorView& out, const TensorView& lse, Stream stream) {
+  return run_forward(*impl_, transport, q, k, v, pattern, out, lse, stream);
 }
 
 Stats ShardedPlan::run_backward(Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
-                                const TensorView& block_mask, const TensorView& out, const TensorView& lse,
+                                const Pattern& pattern, const TensorView& out, const TensorView& lse,
                                 const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                 const TensorView& dv, Stream stream) {
-  return distributed::run_backward(*impl_, transport, q, k, v, block_mask, out, lse, dout, dq, dk, dv, stream);
+  return distributed::run_backward(*impl_, transport, q, k, v, pattern, out, lse, dout, dq, dk, dv, stream);
 }
 
 Stats attention(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
-                const TensorView& k, const TensorView& v, const TensorView& block_mask, const TensorView& out,
+                const TensorView& k, const TensorView& v, const Pattern& pattern, const TensorView& out,
                 const TensorView& lse, Stream stream) {
   const ShardedPlan::Impl plan(local, sharding, transport.world(), true, false);
-  return run_forward(plan, transport, q, k, v, block_mask, out, lse, stream);
+  return run_forward(plan, transport, q, k, v, pattern, out, lse, stream);
 }
 
 Stats attention_backward(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
-                         const TensorView& k, const TensorView& v, const TensorView& block_mask,
+                         const TensorView& k, const TensorView& v, const Pattern& pattern,
                          const TensorView& out, const TensorView& lse, const TensorView& dout, const TensorView& dq,
                          const TensorView& dk, const TensorView& dv, Stream stream) {
   Problem backward = local;
   backward.backward = true;
   const ShardedPlan::Impl plan(backward, sharding, transport.world(), false, true);
-  return run_backward(plan, transport, q, k, v, block_mask, out, lse, dout, dq, dk, dv, stream);
+  return run_backward(plan, transport, q, k, v, pattern, out, lse, dout, dq, dk, dv, stream);
 }
 
 }  // namespace bsattn::distributed

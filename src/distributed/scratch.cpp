@@ -143,8 +143,8 @@ TensorView Scratch::to_host(const TensorView& t, std::vector<unsigned char>& kee
   keep.resize(static_cast<std::size_t>(span) * element_size(t.dtype));
   gpu::DeviceGuard guard(t.device_index);
   gpu::cuda_check(cudaMemcpyAsync(keep.data(), t.data, keep.size(), cudaMemcpyDeviceToHost, cuda(stream_)),
-                  "cudaMemcpyAsync (block mask to the host)");
-  gpu::cuda_check(cudaStreamSynchronize(cuda(stream_)), "cudaStreamSynchronize (block mask)");
+                  "cudaMemcpyAsync (block pattern to the host)");
+  gpu::cuda_check(cudaStreamSynchronize(cuda(stream_)), "cudaStreamSynchronize (block pattern)");
   host.data = keep.data();
   host.device = Device::cpu;
 #else

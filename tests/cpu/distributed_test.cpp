@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <vector>
 
 #include "distributed_case.hpp"
@@ -17,10 +18,62 @@ namespace {
 
 using namespace distributed_case;
 
+// A rank's pattern (its bitmask rows, RankData::mask) in another batched format, the kept blocks
+// split between the partial set and, with `split_full`, the full set by column parity; the
+// tensors live in `keep` (a deque: references to its vectors survive its growth).
+struct PatternIn {
+  bsattn::Format format = bsattn::Format::bitmask;
+  bool split_full = false;
+};
+
+dist::Pattern pattern_in(const PatternIn& how, RankData& d, std::deque<std::vector<std::int32_t>>& keep) {
+  const std::int64_t Bs = d.mask_shape[0], Hs = d.mask_shape[1], rows = d.mask_shape[2], words = d.mask_shape[3];
+  const std::int64_t key_blocks = words * 32, all_rows = Bs * Hs * rows;
+  d.problem.format = how.format;
+  d.problem.has_full = how.split_full;
+  dist::Pattern pattern;
+  for (const bool full : {false, true}) {
+    if (full && !how.split_full) break;
+    std::vector<std::vector<std::int32_t>> lists(static_cast<std::size_t>(all_rows));
+    for (std::int64_t row = 0; row < all_rows; ++row)
+      for (std::int64_t c = 0; c < key_blocks; ++c)
+        if ((d.mask[row * words + c / 32] >> (c % 32)) & 1u && (!how.split_full || (c % 2 == 1) == full))
+          lists[row].push_back(static_cast<std::int32_t>(c));
+    bsattn::BlockSet& set = full ? pattern.full : pattern.partial;
+    if (how.format == bsattn::Format::block_lists) {
+      std::vector<std::int32_t>& counts = keep.emplace_back();
+      std::vector<std::int32_t>& indices = keep.emplace_back(static_cast<std::size_t>(all_rows * key_blocks), -7);
+      for (std::int64_t row = 0; row < all_rows; ++row) {
+        counts.push_back(static_cast<std::int32_t>(lists[row].size()));
+        std::copy(lists[row].begin(), lists[row].end(), indices.begin() + row * key_blocks);
+      }
+      set.counts = TensorView::contiguous(counts.data(), DType::i32, {Bs, Hs, rows});
+      set.indices = TensorView::contiguous(indices.data(), DType::i32, {Bs, Hs, rows, key_blocks});
+    } else if (how.format == bsattn::Format::bsr) {
+      std::vector<std::int32_t>& indptr = keep.emplace_back(1, 0);
+      std::vector<std::int32_t>& indices = keep.emplace_back();
+      for (const auto& list : lists) {
+        indices.insert(indices.end(), list.begin(), list.end());
+        indptr.push_back(static_cast<std::int32_t>(indices.size()));
+      }
+      set.indptr = TensorView::contiguous(indptr.data(), DType::i32, {all_rows + 1});
+      set.indices = TensorView::contiguous(indices.data(), DType::i32, {std::int64_t(indices.size())});
+    } else {
+      std::vector<std::int32_t>& bits = keep.emplace_back(static_cast<std::size_t>(all_rows * words), 0);
+      for (std::int64_t row = 0; row < all_rows; ++row)
+        for (const std::int32_t c : lists[row]) bits[row * words + c / 32] |= static_cast<std::int32_t>(1u << (c % 32));
+      set.bits = TensorView::contiguous(bits.data(), DType::u32, {Bs, Hs, rows, words});
+    }
+  }
+  return pattern;
+}
+
 // A rank's forward and backward on the CPU engine with host tensors: O in f32, then the backward
-// on it with dQ in the inputs' dtype (rounded once for bf16 cases), dK and dV in f32.
-// With `plan`, through it (made for this rank's problem and sharding with backward set).
-RankResult run_on_host(dist::Transport& transport, RankData d, dist::ShardedPlan* plan = nullptr) {
+// on it with dQ in the inputs' dtype (rounded once for bf16 cases), dK and dV in f32. With
+// `plan`, through it (made for this rank's problem and sharding with backward set); the pattern
+// in the format `how` says.
+RankResult run_on_host(dist::Transport& transport, RankData d, dist::ShardedPlan* plan = nullptr,
+                       const PatternIn& how = {}) {
   const Spec& s = d.spec;
   const std::int64_t local = d.local;
   RankResult r;
@@ -29,9 +82,8 @@ RankResult run_on_host(dist::Transport& transport, RankData d, dist::ShardedPlan
   const TensorView q = TensorView::contiguous(d.q.ptr(s.dtype), s.dtype, {s.batch, local, s.hq, s.d});
   const TensorView k = TensorView::contiguous(d.k.ptr(s.dtype), s.dtype, {s.batch, local, s.hkv, s.d});
   const TensorView v = TensorView::contiguous(d.v.ptr(s.dtype), s.dtype, {s.batch, local, s.hkv, s.d});
-  const TensorView mask = s.sparse ? TensorView::contiguous(d.mask.data(), DType::u32,
-                                                            {d.mask_shape[0], d.mask_shape[1], d.mask_shape[2], d.mask_shape[3]})
-                                   : TensorView{};
+  std::deque<std::vector<std::int32_t>> pattern_tensors;  // references stay valid as it grows
+  const dist::Pattern mask = s.sparse ? pattern_in(how, d, pattern_tensors) : dist::Pattern{};
   const TensorView out = TensorView::contiguous(r.out.data(), DType::f32, {s.batch, local, s.hq, s.d});
   const TensorView lse = TensorView::contiguous(r.lse.data(), DType::f32, {s.batch, s.hq, local});
   r.stats = plan ? plan->run(transport, q, k, v, mask, out, lse)
@@ -160,7 +212,8 @@ TEST(Distributed, ShardedPlanServesRepeatedCalls) {
   const auto kv = TensorView::contiguous(y.data(), DType::f32, {1, 2 * s.chunk, s.hkv, s.d});
   const auto lse = TensorView::contiguous(l.data(), DType::f32, {1, s.hq, 2 * s.chunk});
   std::vector<std::uint32_t> bits(std::size_t(s.hq) * (2 * s.chunk / s.bq) * 1, ~0u);
-  const auto mask = TensorView::contiguous(bits.data(), DType::u32, {1, s.hq, 2 * s.chunk / s.bq, 1});
+  dist::Pattern mask;
+  mask.partial.bits = TensorView::contiguous(bits.data(), DType::u32, {1, s.hq, 2 * s.chunk / s.bq, 1});
   try {
     plan.run_backward(*solo, q, kv, kv, mask, q, lse, q, q, kv, kv);
     ADD_FAILURE() << "a backward without its plans was accepted";
@@ -174,6 +227,57 @@ TEST(Distributed, ShardedPlanServesRepeatedCalls) {
     ADD_FAILURE() << "a transport of 3 ranks was accepted by a plan for 2";
   } catch (const bsattn::Error& e) {
     EXPECT_EQ(e.argument(), "transport") << e.what();
+  }
+}
+
+// The pattern in block lists and BSR, and split between partial and full sets (bitmask and
+// lists), gives the bitmask's result; bad list values are refused by name before anything moves.
+TEST(Distributed, PatternsInEveryBatchedFormat) {
+  std::uint64_t seed = 600;
+  const PatternIn formats[] = {{bsattn::Format::block_lists, false}, {bsattn::Format::bsr, false},
+                               {bsattn::Format::bitmask, true}, {bsattn::Format::block_lists, true}};
+  for (const PatternIn& how : formats)
+    for (const int pattern : {1, 2, 3}) {
+      const Spec s = grid_case(2, dist::Layout::zigzag, false, pattern, seed++);
+      const Sequence seq(s);
+      dist::LocalGroup group(s.world);
+      const Result got = seq.sharded([&](const RankData& d) {
+        auto transport = group.transport(d.rank);
+        return run_on_host(*transport, d, nullptr, how);
+      });
+      const std::string what = describe(s) + ", format " + std::to_string(int(how.format)) + (how.split_full ? " split" : "");
+      const Result want = seq.reference();
+      expect_same(got, want, 2e-5f, what);
+      expect_same_gradients(got, want, 1e-4f, 0.0f, what + " backward");
+    }
+  // A list entry past the global key blocks, and a count past the lists' width.
+  const Spec s = grid_case(1, dist::Layout::contiguous, false, 1, 2);  // batch 1
+  const Sequence seq(s);
+  for (const int bad : {0, 1}) {
+    seq.sharded([&](const RankData& rank) {
+      RankData d = rank;
+      dist::LocalGroup group(1);
+      auto transport = group.transport(0);
+      std::deque<std::vector<std::int32_t>> keep;
+      dist::Pattern pattern = pattern_in({bsattn::Format::block_lists, false}, d, keep);
+      keep[0][1] = bad ? 1000 : 1;  // counts
+      keep[1][static_cast<std::size_t>(d.mask_shape[3]) * 32] = bad ? 0 : 99;  // row 1's first index
+      std::vector<float> out(std::size_t(d.local) * s.hq * s.d, 7.0f);
+      try {
+        dist::attention(*transport, d.problem, d.sharding,
+                        TensorView::contiguous(d.q.values.data(), DType::f32, {1, d.local, s.hq, s.d}),
+                        TensorView::contiguous(d.k.values.data(), DType::f32, {1, d.local, s.hkv, s.d}),
+                        TensorView::contiguous(d.v.values.data(), DType::f32, {1, d.local, s.hkv, s.d}), pattern,
+                        TensorView::contiguous(out.data(), DType::f32, {1, d.local, s.hq, s.d}), TensorView{});
+        ADD_FAILURE() << (bad ? "a count past the width" : "an index past the key blocks") << " was accepted";
+      } catch (const bsattn::Error& e) {
+        EXPECT_EQ(e.argument(), bad ? "pattern.partial.counts" : "pattern.partial.indices") << e.what();
+      }
+      EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 7.0f; }));
+      return RankResult{std::vector<float>(out.size()), std::vector<float>(std::size_t(d.local) * s.hq),
+                        std::vector<float>(out.size()), std::vector<float>(std::size_t(d.local) * s.hkv * s.d),
+                        std::vector<float>(std::size_t(d.local) * s.hkv * s.d), {}, {}};
+    });
   }
 }
 

@@ -91,10 +91,10 @@ RankResult run_on_gpu(dist::Transport& transport, const RankData& d, int device,
   const TensorView qv = rows(q, s.dtype, s.hq), kv = rows(k, s.dtype, s.hkv), vv = rows(v, s.dtype, s.hkv),
                    ov = rows(out, s.dtype, s.hq), lv = lse.view(DType::f32, {s.batch, s.hq, local}, device);
   const auto& m = d.mask_shape;
-  const TensorView mv = !s.sparse ? TensorView{}
-                        : mask_on_device
-                            ? mask.view(DType::u32, {m[0], m[1], m[2], m[3]}, device)
-                            : TensorView::contiguous(d.mask.data(), DType::u32, {m[0], m[1], m[2], m[3]});
+  dist::Pattern mv;
+  if (s.sparse)
+    mv.partial.bits = mask_on_device ? mask.view(DType::u32, {m[0], m[1], m[2], m[3]}, device)
+                                     : TensorView::contiguous(d.mask.data(), DType::u32, {m[0], m[1], m[2], m[3]});
   RankResult r;
   const TensorView dov = rows(dout, s.dtype, s.hq), dqv = rows(dq, DType::f32, s.hq), dkv = rows(dk, DType::f32, s.hkv),
                    dvv = rows(dv, DType::f32, s.hkv);
