@@ -124,15 +124,16 @@ struct Pattern {
 };
 
 // This rank's rows. `local` describes them as a single-process problem over the rank's tokens:
-// batch, heads, head_dim, dtypes, block sizes, scale, validate, num_threads (max_seqlen_q and
+// batch, heads, head_dim, dtypes, block sizes, scale, num_threads (max_seqlen_q and
 // max_seqlen_kv: the rank's token count; layouts batched and contiguous; no mask, proxy, tiles);
 // format all_blocks (every block), block_lists, bsr or bitmask, whose sparsity_batch /
 // sparsity_heads give the pattern's Bs and Hs. q [B, S_local, Hq, D], k and v
 // [B, S_local, Hkv, D]; out [B, S_local, Hq, D] of local.out_dtype, lse f32 [B, Hq, S_local]
 // (may be left undefined). Every tensor on local.device; on a GPU each token's heads are
-// contiguous in K and V (stride[2] == D: a chunk travels as one copy per batch). Throws
-// bsattn::Error naming the argument before anything is sent when the shapes, the layout or the
-// pattern's values do not fit.
+// contiguous in K and V (stride[2] == D: a chunk travels as one copy per batch). The pattern's
+// values are always checked (it is read on the host), and the chunk pairs, whose metadata is made
+// from it, run without validation (local.validate is not read). Throws bsattn::Error naming the
+// argument before anything is sent when the shapes, the layout or the pattern's values do not fit.
 Stats attention(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,
                 const TensorView& k, const TensorView& v, const Pattern& pattern, const TensorView& out,
                 const TensorView& lse, Stream stream = nullptr);

@@ -82,6 +82,9 @@ struct ShardedPlan::Impl {
     pair.max_seqlen_q = pair.max_seqlen_kv = static_cast<int>(chunks.size);
     pair.mask.alignment = Alignment::top_left;
     pair.mask.document_ids = documents;
+    // The pairs' metadata is made here from a checked pattern: re-validating it would only add,
+    // on a GPU, a wait for each pair's flags before the next is enqueued.
+    pair.validate = false;
     if (sparse) pair.format = Format::bitmask, pair.has_partial = true, pair.has_full = false;  // the pair's bits
     for (const bool pass : {false, true}) {  // false: the forward
       if (!(pass ? backward : forward)) continue;
