@@ -134,9 +134,11 @@ def _host(t):
     return t.detach().cpu().numpy() if _tensors.is_torch(t) else numpy.asarray(t)
 
 
-def _dense_pattern(sparsity, q_blocks, k_blocks):
+def _dense_pattern(sparsity, q_blocks, k_blocks, validate):
     """A batched `bsattn.sparsity` object as a dense boolean NumPy block mask [Bs, Hs, nQB, nKB]
-    (None for AllBlocks). The pattern is small next to Q, K and V, so it is read on the host."""
+    (None for AllBlocks). The pattern is small next to Q, K and V, so it is read on the host;
+    with ``validate`` a count past the lists' width or an entry past the key blocks is an error
+    (without, such entries are dropped)."""
     import numpy as np
 
     from .sparsity import BSR, AllBlocks, Bitmask, BlockLists
@@ -157,7 +159,11 @@ def _dense_pattern(sparsity, q_blocks, k_blocks):
             counts, indices = (_host(x) for x in fields)
             bs, hs, nqb, width = indices.shape
             got = np.zeros((bs, hs, nqb, k_blocks), bool)
-            keep = (np.arange(width) < counts[..., None]) & (indices >= 0) & (indices < k_blocks)
+            listed = np.arange(width) < counts[..., None]
+            if validate:
+                _expect_entries(counts, 0, width, "block counts", "the lists' width")
+                _expect_entries(indices[listed], 0, k_blocks - 1, "block indices", "the global key blocks")
+            keep = listed & (indices >= 0) & (indices < k_blocks)
             b, h, r, i = np.nonzero(keep)
             got[b, h, r, indices[b, h, r, i]] = True
         elif isinstance(sparsity, Bitmask):
@@ -171,12 +177,25 @@ def _dense_pattern(sparsity, q_blocks, k_blocks):
                 raise _tensors.fail("block_mask", f"a BSR of batch {sparsity.batch}, heads {sparsity.heads} and "
                                                   f"{q_blocks} query blocks has {rows + 1} indptr entries, got {len(indptr)}")
             got = np.zeros((rows, k_blocks), bool)
+            if validate:
+                _expect_entries(np.diff(indptr), 0, k_blocks, "BSR row lengths", "the global key blocks")
+                _expect_entries(indices[:indptr[-1]], 0, k_blocks - 1, "BSR indices", "the global key blocks")
             row_of = np.repeat(np.arange(rows), np.diff(indptr))
             ok = (indices >= 0) & (indices < k_blocks)
             got[row_of[ok], indices[ok]] = True
             got = got.reshape(sparsity.batch, sparsity.heads, q_blocks, k_blocks)
         dense = got if dense is None else dense | got
     return dense
+
+
+def _expect_entries(values, low, high, what, bound):
+    """Every value within [low, high]; else an error naming block_mask, the first bad value and where."""
+    import numpy as np
+
+    bad = np.flatnonzero((values < low) | (values > high))
+    if len(bad):
+        raise _tensors.fail("block_mask", f"{what}: {int(values.flat[bad[0]])} at position {int(bad[0])}, "
+                                          f"expected {low}..{high} ({bound})")
 
 
 def _pair_pattern(block_mask, rows, cols):
@@ -193,7 +212,7 @@ class _Shards:
     """What forward and backward share: the checked shard geometry, the rank's pattern, the key
     chunks each rank uses (all-gathered), and the attention problem of each chunk pair."""
 
-    def __init__(self, q, k, v, block_mask, block_size, causal, cu_seqlens, layout, group):
+    def __init__(self, q, k, v, block_mask, block_size, causal, cu_seqlens, layout, group, validate):
         self.lib = lib = _library(q)
         if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
             raise _tensors.fail("q", "expected batched q [B, S_local, Hq, D] and k, v [B, S_local, Hkv, D]")
@@ -213,7 +232,7 @@ class _Shards:
             if tuple(block_mask.block_size) != (bq, bk):
                 raise _tensors.fail("block_size", f"the pattern's blocks are {tuple(block_mask.block_size)}, "
                                                   f"block_size says {(bq, bk)}")
-            block_mask = _dense_pattern(block_mask, local_tokens // bq, total // bk)
+            block_mask = _dense_pattern(block_mask, local_tokens // bq, total // bk, validate)
             if block_mask is not None and lib.__name__ == "torch":
                 block_mask = lib.from_numpy(block_mask).to(q.device)
         if block_mask is not None:
@@ -300,8 +319,9 @@ def attention(q, k, v, block_mask=None, *, block_size=(128, 128), causal=False, 
               scale=None, group=None, validate=True, return_lse=False, return_stats=False):
     """This rank's rows of block-sparse attention over the sharded sequence (module docstring).
     PyTorch tensors that require gradients go through a `torch.autograd.Function` whose backward
-    is `attention_backward`. ``validate``: as in `bsattn.attention`, for every chunk pair's call
-    (False skips the value checks, which copy metadata to the host).
+    is `attention_backward`. ``validate``: check the pattern's values (block-list counts and
+    entries, BSR rows) on the host, where it is read; the chunk pairs' calls, whose patterns are
+    made from it, run unvalidated (on a GPU, no pair waits for its checks).
 
     Returns ``out`` (Q's shape and dtype), plus ``lse`` fp32 ``[B, Hq, S_local]`` with
     ``return_lse``, plus with ``return_stats`` a dict: ``bytes_received`` / ``bytes_sent`` (K and V
@@ -355,14 +375,14 @@ def _torch_function():
 def _forward(q, k, v, block_mask, *, block_size, causal, cu_seqlens, layout, scale, group, validate):
     """(out, lse, stats) of `attention`."""
     varlen, (q, k, v) = _varlen_to_batched(cu_seqlens, q, k, v)
-    sh = _Shards(q, k, v, block_mask, block_size, causal, cu_seqlens, layout, group)
+    sh = _Shards(q, k, v, block_mask, block_size, causal, cu_seqlens, layout, group, validate)
     lib = sh.lib
     parts = {c: ([], []) for c in sh.mine}
 
     def attend(kc, kk, vv):
         for qc, (lo, hi), call in sh.pairs(kc):
             out, lse = _attention(q[:, lo:hi], kk, vv, call["sparsity"], mask=call["mask"], scale=scale,
-                                  return_lse=True, out_dtype=lib.float32, validate=validate)
+                                  return_lse=True, out_dtype=lib.float32, validate=False)
             parts[qc][0].append(out)
             parts[qc][1].append(lse)
 
@@ -412,7 +432,7 @@ def attention_backward(q, k, v, out, lse, dout, block_mask=None, *, block_size=(
     varlen, (q, k, v, out, dout) = _varlen_to_batched(cu_seqlens, q, k, v, out, dout)
     if varlen:
         lse = lse[None]
-    sh = _Shards(q, k, v, block_mask, block_size, causal, cu_seqlens, layout, group)
+    sh = _Shards(q, k, v, block_mask, block_size, causal, cu_seqlens, layout, group, validate)
     lib = sh.lib
     dq = sh.zeros(tuple(q.shape))
     dkv = {}
@@ -420,7 +440,7 @@ def attention_backward(q, k, v, out, lse, dout, block_mask=None, *, block_size=(
     def differentiate(kc, kk, vv):
         for qc, (lo, hi), call in sh.pairs(kc):
             gq, gk, gv = _attention_backward(q[:, lo:hi], kk, vv, out[:, lo:hi], lse[:, :, lo:hi], dout[:, lo:hi],
-                                             call["sparsity"], mask=call["mask"], scale=scale, validate=validate,
+                                             call["sparsity"], mask=call["mask"], scale=scale, validate=False,
                                              dq=sh.zeros(tuple(q[:, lo:hi].shape)), dk=sh.zeros(tuple(kk.shape)),
                                              dv=sh.zeros(tuple(vv.shape)))
             dq[:, lo:hi] += gq

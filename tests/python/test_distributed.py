@@ -280,6 +280,17 @@ def test_bad_shards_are_named():
     with pytest.raises(bsattn.BsattnError) as e:
         bd.attention(q[:, :64], q[:, :64], q[:, :64], np.ones((1, 1, 1, 2), bool), block_size=64, group=group)
     assert e.value.argument == "block_mask"
+    # Block lists with an entry past the 2 key blocks, then a count past the lists' width: refused
+    # by name; validate=False drops such entries.
+    x = np.zeros((1, 128, 2, 32), np.float32)
+    for counts, indices, what in (([[[1, 1]]], [[[[0, 0], [5, 0]]]], "block indices: 5"),
+                                  ([[[3, 1]]], [[[[0, 1], [1, 0]]]], "block counts: 3")):
+        lists = bsattn.BlockLists(np.array(counts, np.int32), np.array(indices, np.int32), block_size=(64, 64))
+        with pytest.raises(bsattn.BsattnError) as e:
+            bd.attention(x, x, x, lists, block_size=64, group=group)
+        assert e.value.argument == "block_mask" and what in str(e.value), str(e.value)
+    lists = bsattn.BlockLists(np.array([[[1, 1]]], np.int32), np.array([[[[0, 0], [5, 0]]]], np.int32), block_size=(64, 64))
+    bd.attention(x, x, x, lists, block_size=64, group=group, validate=False)
 
 
 def gloo_worker(rank, world, port, case, results):
