@@ -8,13 +8,17 @@
 
 namespace bsattn::distributed {
 
-inline std::string place(Device device, int index) { return device == Device::cpu ? "CPU" : "cuda:" + std::to_string(index); }
+inline std::string place(Device device, int index) {
+  return device == Device::cpu ? "CPU" : "cuda:" + std::to_string(index);
+}
 
 // `t` has this shape and dtype and lives with the problem (or, `host_too`, on the host).
 inline void expect_shape(const TensorView& t, const char* name, std::initializer_list<std::int64_t> shape, DType dtype,
                          const Problem& local, bool host_too = false) {
-  const bool with_problem = t.device == local.device && (t.device == Device::cpu || t.device_index == local.device_index);
-  bool same = t.rank == static_cast<int>(shape.size()) && t.dtype == dtype && (with_problem || (host_too && t.device == Device::cpu));
+  const bool with_problem =
+      t.device == local.device && (t.device == Device::cpu || t.device_index == local.device_index);
+  bool same = t.rank == static_cast<int>(shape.size()) && t.dtype == dtype &&
+              (with_problem || (host_too && t.device == Device::cpu));
   int d = 0;
   for (const std::int64_t n : shape) same = same && t.shape[d++] == n;
   if (!same) {

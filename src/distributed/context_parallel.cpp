@@ -31,7 +31,8 @@ struct Chunks {
 
 // A view of `t` with dimension `dim` cut to [begin, begin + length).
 TensorView slice(TensorView t, int dim, std::int64_t begin, std::int64_t length) {
-  t.data = static_cast<unsigned char*>(t.data) + begin * t.stride[dim] * static_cast<std::int64_t>(element_size(t.dtype));
+  t.data =
+      static_cast<unsigned char*>(t.data) + begin * t.stride[dim] * static_cast<std::int64_t>(element_size(t.dtype));
   t.shape[dim] = length;
   return t;
 }
@@ -73,6 +74,7 @@ struct ShardedPlan::Impl {
                                        std::to_string(bk) + ")");
     q_blocks = chunks.size / bq;
     k_blocks = chunks.size / bk;
+    chunk_elems = B * chunks.size * Hkv * D;
     if (!sharding.cu_seqlens.empty()) read_documents(sharding.cu_seqlens);
     sparse = local.format != Format::all_blocks;
     Bs = sparse ? local.sparsity_batch : 1;
@@ -105,13 +107,16 @@ struct ShardedPlan::Impl {
   }
   // Documents are contiguous: a chunk holds those from its first token's to its last token's.
   std::int32_t first_doc(int chunk) const { return doc_of_token[static_cast<std::size_t>(chunk * chunks.size)]; }
-  std::int32_t last_doc(int chunk) const { return doc_of_token[static_cast<std::size_t>((chunk + 1) * chunks.size - 1)]; }
+  std::int32_t last_doc(int chunk) const {
+    return doc_of_token[static_cast<std::size_t>((chunk + 1) * chunks.size - 1)];
+  }
 
   Problem local;
   Sharding sharding;
   std::int64_t B = 0, S = 0, Hq = 0, Hkv = 0, D = 0;
   Chunks chunks;
   std::int64_t q_blocks = 0, k_blocks = 0, Bs = 1, Hs = 1;
+  std::int64_t chunk_elems = 0;  // elements of one K or V chunk, all batches
   bool sparse = false, documents = false;
   std::vector<std::int32_t> doc_of_token;  // with documents: every global token's
   std::unique_ptr<Plan> plans[2][2];       // [backward][diagonal]
@@ -145,19 +150,17 @@ namespace {
 class Shards {
  public:
   // Checks the tensors and finds the chunks this rank's rows use; nothing is sent (agree()).
-  Shards(const ShardedPlan::Impl& plan, Scratch& scratch, Transport& transport, const TensorView& q, const TensorView& k,
-         const TensorView& v, const Pattern& pattern, const TensorView& out, const TensorView& lse, bool backward)
-      : plan_(plan), scratch_(scratch), transport_(transport), local_(plan.local), q_(q), k_(k), v_(v) {
+  Shards(const ShardedPlan::Impl& plan, Scratch& scratch, Transport& transport, const TensorView& q,
+         const TensorView& k, const TensorView& v, const Pattern& pattern, const TensorView& out, const TensorView& lse,
+         bool backward)
+      : plan(plan), scratch_(scratch), transport_(transport), q_(q), k_(k), v_(v) {
     const Problem& local = plan.local;
     world_ = transport.world();
     rank_ = transport.rank();
     if (world_ != plan.chunks.world)
       throw Error("transport", "has " + std::to_string(world_) + " ranks, the plan was made for " +
                                    std::to_string(plan.chunks.world));
-    B = plan.B, S = plan.S, Hq = plan.Hq, Hkv = plan.Hkv, D = plan.D;
-    chunks = plan.chunks;
-    q_blocks_ = plan.q_blocks, k_blocks_ = plan.k_blocks, Bs_ = plan.Bs, Hs_ = plan.Hs;
-    sparse_ = plan.sparse;
+    const std::int64_t B = plan.B, S = plan.S, Hq = plan.Hq, Hkv = plan.Hkv, D = plan.D;
     expect_shape(q, "q", {B, S, Hq, D}, local.dtype, local);
     expect_shape(k, "k", {B, S, Hkv, D}, local.dtype, local);
     expect_shape(v, "v", {B, S, Hkv, D}, local.dtype, local);
@@ -170,17 +173,18 @@ class Shards {
                                 ", 1]), got " + t->shape_string() + " with strides [.., .., " +
                                 std::to_string(t->stride[2]) + ", " + std::to_string(t->stride[3]) + "]");
     if (backward) plan.pair_plan(true, 0, 0);  // throws without the backward's plans
-    if (sparse_) pattern_ = read_pattern(pattern, local, q_blocks_ * chunks.per_rank, k_blocks_ * chunks.count, scratch_);
-    mine = chunks.of_rank(rank_);
+    if (plan.sparse)
+      pattern_ = read_pattern(pattern, local, plan.q_blocks * plan.chunks.per_rank, plan.k_blocks * plan.chunks.count,
+                              scratch_);
+    mine = plan.chunks.of_rank(rank_);
     keys.resize(mine.size());
-    for (int kc = 0; kc < chunks.count; ++kc) {
+    for (int kc = 0; kc < plan.chunks.count; ++kc) {
       bool needed = false;
       for (std::size_t i = 0; i < mine.size(); ++i)
         if (used(mine[i], kc)) keys[i].push_back(kc), needed = true;
       if (needed) needs.push_back(kc);
     }
-    chunk_elems = B * chunks.size * Hkv * D;
-    if (sparse_) upload_pair_masks();
+    if (plan.sparse) upload_pair_masks();
     if (plan.documents) {
       doc_ids_ = static_cast<std::int32_t*>(scratch_.allocate(plan.doc_of_token.size() * sizeof(std::int32_t)));
       scratch_.upload(doc_ids_, plan.doc_of_token.data(), plan.doc_of_token.size() * sizeof(std::int32_t));
@@ -196,14 +200,14 @@ class Shards {
   int local_index(int chunk) const {
     return static_cast<int>(std::find(mine.begin(), mine.end(), chunk) - mine.begin());
   }
-  bool holds(int chunk) const { return chunks.owner(chunk) == rank_; }
+  bool holds(int chunk) const { return plan.chunks.owner(chunk) == rank_; }
   Transport::Memory memory() const { return scratch_.memory(); }
 
   // Posts the exchange of the used K/V chunks: this rank's to the ranks that use them (each chunk
   // packed once), the others from their owners (K, then V of each chunk, in chunk order on both
   // sides), into received_.
   std::unique_ptr<Transport::Exchange> post_key_chunks(Stats& stats) {
-    const std::size_t bytes = static_cast<std::size_t>(chunk_elems) * element_size(local_.dtype);
+    const std::size_t bytes = static_cast<std::size_t>(plan.chunk_elems) * element_size(plan.local.dtype);
     std::vector<std::array<void*, 2>> packed(mine.size(), {nullptr, nullptr});
     std::vector<Transport::Send> sends;
     for (int peer = 0; peer < world_; ++peer) {
@@ -214,7 +218,7 @@ class Shards {
         if (!kv[0])
           for (int i = 0; i < 2; ++i) {
             kv[i] = scratch_.allocate(bytes);
-            scratch_.pack(i == 0 ? k_ : v_, local_index(c) * chunks.size, chunks.size, kv[i]);
+            scratch_.pack(i == 0 ? k_ : v_, local_index(c) * plan.chunks.size, plan.chunks.size, kv[i]);
           }
         for (void* data : kv) sends.push_back({peer, data, bytes});
       }
@@ -227,12 +231,12 @@ class Shards {
       receive_of_[i] = static_cast<int>(receives.size());
       for (int kv = 0; kv < 2; ++kv) {
         received_[2 * i + kv] = scratch_.allocate(bytes);
-        receives.push_back({chunks.owner(needs[i]), received_[2 * i + kv], bytes});
+        receives.push_back({plan.chunks.owner(needs[i]), received_[2 * i + kv], bytes});
       }
       ++stats.chunks_received;
       stats.bytes_received += 2 * bytes;
     }
-    stats.bytes_all_gather = static_cast<std::size_t>(chunks.count - chunks.per_rank) * 2 * bytes;
+    stats.bytes_all_gather = static_cast<std::size_t>(plan.chunks.count - plan.chunks.per_rank) * 2 * bytes;
     return transport_.post(sends, receives, scratch_.memory());
   }
 
@@ -245,11 +249,11 @@ class Shards {
       const int kc = needs[slot];
       TensorView kk, vv;
       if (holds(kc)) {
-        kk = slice(k_, 1, local_index(kc) * chunks.size, chunks.size);
-        vv = slice(v_, 1, local_index(kc) * chunks.size, chunks.size);
+        kk = slice(k_, 1, local_index(kc) * plan.chunks.size, plan.chunks.size);
+        vv = slice(v_, 1, local_index(kc) * plan.chunks.size, plan.chunks.size);
       } else {
-        kk = view(received_[2 * slot], local_.dtype, {B, chunks.size, Hkv, D});
-        vv = view(received_[2 * slot + 1], local_.dtype, {B, chunks.size, Hkv, D});
+        kk = view(received_[2 * slot], plan.local.dtype, {plan.B, plan.chunks.size, plan.Hkv, plan.D});
+        vv = view(received_[2 * slot + 1], plan.local.dtype, {plan.B, plan.chunks.size, plan.Hkv, plan.D});
       }
       for (std::size_t qi = 0; qi < mine.size(); ++qi) {
         const auto at = std::find(keys[qi].begin(), keys[qi].end(), kc);
@@ -277,52 +281,51 @@ class Shards {
     in.q = rows(q_, mine[qi]);
     in.k = kk;
     in.v = vv;
-    if (plan_.documents) {  // the two chunks' document ids, [1, chunk] each
-      in.doc_q = view(doc_ids_ + mine[qi] * chunks.size, DType::i32, {1, chunks.size});
-      in.doc_kv = view(doc_ids_ + keys[qi][part] * chunks.size, DType::i32, {1, chunks.size});
+    if (plan.documents) {  // the two chunks' document ids, [1, chunk] each
+      in.doc_q = view(doc_ids_ + mine[qi] * plan.chunks.size, DType::i32, {1, plan.chunks.size});
+      in.doc_kv = view(doc_ids_ + keys[qi][part] * plan.chunks.size, DType::i32, {1, plan.chunks.size});
     }
-    if (sparse_)
+    if (plan.sparse)
       in.partial.bits = view(pair_bits_ + (first_pair_[qi] + part) * pair_mask_words(), DType::u32,
-                             {Bs_, Hs_, q_blocks_, pair_words()});
+                             {plan.Bs, plan.Hs, plan.q_blocks, pair_words()});
     return in;
   }
-  Plan& plan(bool backward, int qc, int kc) const { return plan_.pair_plan(backward, qc, kc); }
 
   // The rows of local chunk `chunk` in a [B, S, H, D] tensor, or in an LSE [B, H, S].
-  TensorView rows(const TensorView& t, int chunk) const { return slice(t, 1, local_index(chunk) * chunks.size, chunks.size); }
+  TensorView rows(const TensorView& t, int chunk) const {
+    return slice(t, 1, local_index(chunk) * plan.chunks.size, plan.chunks.size);
+  }
   TensorView lse_rows(const TensorView& lse, int chunk) const {
-    return lse.defined() ? slice(lse, 2, local_index(chunk) * chunks.size, chunks.size) : lse;
+    return lse.defined() ? slice(lse, 2, local_index(chunk) * plan.chunks.size, plan.chunks.size) : lse;
   }
   // A contiguous tensor of the problem's device at `data`.
   TensorView view(const void* data, DType dtype, std::initializer_list<std::int64_t> shape) const {
-    return TensorView::contiguous(data, dtype, shape, local_.device, local_.device_index);
+    return TensorView::contiguous(data, dtype, shape, plan.local.device, plan.local.device_index);
   }
 
-  std::int64_t B = 0, S = 0, Hq = 0, Hkv = 0, D = 0;
-  Chunks chunks;
+  const ShardedPlan::Impl& plan;             // the geometry and the pair plans
   std::vector<int> mine;                     // this rank's chunks, in its local order
   std::vector<std::vector<int>> keys;        // keys[i]: the key chunks local chunk i's rows use
   std::vector<int> needs;                    // their union, ascending
   std::vector<std::vector<int>> all_needs;   // every rank's needs
-  std::int64_t chunk_elems = 0;              // elements of one K or V chunk, all batches
 
  private:
-  std::int64_t pair_words() const { return (k_blocks_ + 31) / 32; }
-  std::int64_t pair_mask_words() const { return Bs_ * Hs_ * q_blocks_ * pair_words(); }
+  std::int64_t pair_words() const { return (plan.k_blocks + 31) / 32; }
+  std::int64_t pair_mask_words() const { return plan.Bs * plan.Hs * plan.q_blocks * pair_words(); }
   bool bit(std::int64_t bs, std::int64_t hs, std::int64_t row, std::int64_t col) const {
     return pattern_.kept(bs, hs, row, col);
   }
   // Key chunk kc is used by query chunk qc: not in its causal future, and some block kept.
   bool used(int qc, int kc) const {
-    if (plan_.sharding.causal && kc > qc) return false;
-    if (plan_.documents && (plan_.last_doc(qc) < plan_.first_doc(kc) || plan_.last_doc(kc) < plan_.first_doc(qc)))
+    if (plan.sharding.causal && kc > qc) return false;
+    if (plan.documents && (plan.last_doc(qc) < plan.first_doc(kc) || plan.last_doc(kc) < plan.first_doc(qc)))
       return false;  // no document in common
-    if (!sparse_) return true;
-    const std::int64_t row0 = local_index(qc) * q_blocks_;
-    for (std::int64_t bs = 0; bs < Bs_; ++bs)
-      for (std::int64_t hs = 0; hs < Hs_; ++hs)
-        for (std::int64_t r = row0; r < row0 + q_blocks_; ++r)
-          for (std::int64_t c = kc * k_blocks_; c < (kc + 1) * k_blocks_; ++c)
+    if (!plan.sparse) return true;
+    const std::int64_t row0 = local_index(qc) * plan.q_blocks;
+    for (std::int64_t bs = 0; bs < plan.Bs; ++bs)
+      for (std::int64_t hs = 0; hs < plan.Hs; ++hs)
+        for (std::int64_t r = row0; r < row0 + plan.q_blocks; ++r)
+          for (std::int64_t c = kc * plan.k_blocks; c < (kc + 1) * plan.k_blocks; ++c)
             if (bit(bs, hs, r, c)) return true;
     return false;
   }
@@ -336,27 +339,23 @@ class Shards {
     for (std::size_t qi = 0; qi < mine.size(); ++qi)
       for (std::size_t part = 0; part < keys[qi].size(); ++part) {
         std::uint32_t* pair = bits.data() + (first_pair_[qi] + part) * per_pair;
-        const std::int64_t row0 = local_index(mine[qi]) * q_blocks_, col0 = keys[qi][part] * k_blocks_;
-        for (std::int64_t bs = 0; bs < Bs_; ++bs)
-          for (std::int64_t hs = 0; hs < Hs_; ++hs)
-            for (std::int64_t r = 0; r < q_blocks_; ++r)
-              for (std::int64_t c = 0; c < k_blocks_; ++c)
+        const std::int64_t row0 = local_index(mine[qi]) * plan.q_blocks, col0 = keys[qi][part] * plan.k_blocks;
+        for (std::int64_t bs = 0; bs < plan.Bs; ++bs)
+          for (std::int64_t hs = 0; hs < plan.Hs; ++hs)
+            for (std::int64_t r = 0; r < plan.q_blocks; ++r)
+              for (std::int64_t c = 0; c < plan.k_blocks; ++c)
                 if (bit(bs, hs, row0 + r, col0 + c))
-                  pair[((bs * Hs_ + hs) * q_blocks_ + r) * words + c / 32] |= 1u << (c % 32);
+                  pair[((bs * plan.Hs + hs) * plan.q_blocks + r) * words + c / 32] |= 1u << (c % 32);
       }
     pair_bits_ = static_cast<std::uint32_t*>(scratch_.allocate(bits.size() * sizeof(std::uint32_t)));
     scratch_.upload(pair_bits_, bits.data(), bits.size() * sizeof(std::uint32_t));
   }
 
-  const ShardedPlan::Impl& plan_;
   Scratch& scratch_;
   Transport& transport_;
-  const Problem& local_;
   TensorView q_, k_, v_;
   PatternBits pattern_;  // with a pattern: the rank's rows over the global key blocks, on the host
   int world_ = 1, rank_ = 0;
-  std::int64_t q_blocks_ = 0, k_blocks_ = 0, Bs_ = 1, Hs_ = 1;
-  bool sparse_ = false;
   std::uint32_t* pair_bits_ = nullptr;
   std::int32_t* doc_ids_ = nullptr;  // the plan's documents of every global token, on the device
   std::vector<std::size_t> first_pair_;
@@ -375,24 +374,26 @@ Stats run_forward(const ShardedPlan::Impl& plan, Transport& transport, const Ten
   const std::unique_ptr<Transport::Exchange> exchange = sh.post_key_chunks(stats);
   // Every pair into its fp32 part; a query chunk's parts are merged once all are in. A chunk
   // whose rows use no key chunk merges one empty part (O = 0, LSE = -inf).
-  const std::int64_t out_elems = sh.B * sh.chunks.size * sh.Hq * sh.D, lse_elems = sh.B * sh.Hq * sh.chunks.size;
+  const std::int64_t B = plan.B, Hq = plan.Hq, D = plan.D, size = plan.chunks.size;
+  const std::int64_t out_elems = B * size * Hq * D, lse_elems = B * Hq * size;
   std::vector<float*> part_out(sh.mine.size()), part_lse(sh.mine.size());
   for (std::size_t i = 0; i < sh.mine.size(); ++i) {
     const std::size_t n = sh.keys[i].size();
     part_out[i] = n ? scratch.floats(n * out_elems) : scratch.filled(out_elems, 0.0f);
-    part_lse[i] = n ? scratch.floats(n * lse_elems) : scratch.filled(lse_elems, -std::numeric_limits<float>::infinity());
+    part_lse[i] =
+        n ? scratch.floats(n * lse_elems) : scratch.filled(lse_elems, -std::numeric_limits<float>::infinity());
   }
   sh.for_each_pair(*exchange, stats, [&](std::size_t qi, std::size_t part, int kc, const TensorView& kk,
                                          const TensorView& vv) {
     Outputs o;
-    o.out = sh.view(part_out[qi] + part * out_elems, DType::f32, {sh.B, sh.chunks.size, sh.Hq, sh.D});
-    o.lse = sh.view(part_lse[qi] + part * lse_elems, DType::f32, {sh.B, sh.Hq, sh.chunks.size});
-    sh.plan(false, sh.mine[qi], kc).run(sh.pair_inputs(qi, part, kk, vv), o, stream);
+    o.out = sh.view(part_out[qi] + part * out_elems, DType::f32, {B, size, Hq, D});
+    o.lse = sh.view(part_lse[qi] + part * lse_elems, DType::f32, {B, Hq, size});
+    plan.pair_plan(false, sh.mine[qi], kc).run(sh.pair_inputs(qi, part, kk, vv), o, stream);
   });
   for (std::size_t qi = 0; qi < sh.mine.size(); ++qi) {
     const std::int64_t n = std::max<std::int64_t>(static_cast<std::int64_t>(sh.keys[qi].size()), 1);
-    merge_states(sh.view(part_out[qi], DType::f32, {n, sh.B, sh.chunks.size, sh.Hq, sh.D}),
-                 sh.view(part_lse[qi], DType::f32, {n, sh.B, sh.Hq, sh.chunks.size}), sh.rows(out, sh.mine[qi]),
+    merge_states(sh.view(part_out[qi], DType::f32, {n, B, size, Hq, D}),
+                 sh.view(part_lse[qi], DType::f32, {n, B, Hq, size}), sh.rows(out, sh.mine[qi]),
                  sh.lse_rows(lse, sh.mine[qi]), stream);
   }
   return stats;
@@ -413,7 +414,7 @@ Stats run_backward(const ShardedPlan::Impl& plan, Transport& transport, const Te
   };
   Scratch scratch(local.device, local.device_index, stream);
   Shards sh(plan, scratch, transport, q, k, v, pattern, out, lse, true);
-  expect_shape(dout, "dout", {sh.B, sh.S, sh.Hq, sh.D}, local.out_dtype, local);
+  expect_shape(dout, "dout", {plan.B, plan.S, plan.Hq, plan.D}, local.out_dtype, local);
   gradient_of(dq, "dq", q);
   gradient_of(dk, "dk", k);
   gradient_of(dv, "dv", v);
@@ -421,7 +422,8 @@ Stats run_backward(const ShardedPlan::Impl& plan, Transport& transport, const Te
   Stats stats;
   const std::unique_ptr<Transport::Exchange> exchange = sh.post_key_chunks(stats);
   // fp32 sums: dQ of each local chunk; dK, dV of every used key chunk (slot of `needs`).
-  const std::int64_t q_elems = sh.B * sh.chunks.size * sh.Hq * sh.D, kv_elems = sh.chunk_elems;
+  const std::int64_t B = plan.B, Hq = plan.Hq, Hkv = plan.Hkv, D = plan.D, size = plan.chunks.size;
+  const std::int64_t q_elems = B * size * Hq * D, kv_elems = plan.chunk_elems;
   const std::size_t local_chunks = sh.mine.size();
   float* dq_sum = scratch.filled(local_chunks * q_elems, 0.0f);
   std::vector<float*> dk_sum(sh.needs.size()), dv_sum(sh.needs.size());
@@ -439,11 +441,12 @@ Stats run_backward(const ShardedPlan::Impl& plan, Transport& transport, const Te
     bin.lse = sh.lse_rows(lse, qc);
     bin.dout = sh.rows(dout, qc);
     Gradients g;
-    g.dq = sh.view(gq, DType::f32, {sh.B, sh.chunks.size, sh.Hq, sh.D});
-    g.dk = sh.view(gk, DType::f32, {sh.B, sh.chunks.size, sh.Hkv, sh.D});
-    g.dv = sh.view(gv, DType::f32, {sh.B, sh.chunks.size, sh.Hkv, sh.D});
-    sh.plan(true, qc, kc).run_backward(sh.pair_inputs(qi, part, kk, vv), bin, g, stream);
-    const std::size_t slot = static_cast<std::size_t>(std::find(sh.needs.begin(), sh.needs.end(), kc) - sh.needs.begin());
+    g.dq = sh.view(gq, DType::f32, {B, size, Hq, D});
+    g.dk = sh.view(gk, DType::f32, {B, size, Hkv, D});
+    g.dv = sh.view(gv, DType::f32, {B, size, Hkv, D});
+    plan.pair_plan(true, qc, kc).run_backward(sh.pair_inputs(qi, part, kk, vv), bin, g, stream);
+    const std::size_t slot =
+        static_cast<std::size_t>(std::find(sh.needs.begin(), sh.needs.end(), kc) - sh.needs.begin());
     scratch.add(dq_sum + qi * q_elems, gq, q_elems);
     scratch.add(dk_sum[slot], gk, kv_elems);
     scratch.add(dv_sum[slot], gv, kv_elems);
@@ -455,7 +458,8 @@ Stats run_backward(const ShardedPlan::Impl& plan, Transport& transport, const Te
   std::vector<Transport::Send> sends;
   for (std::size_t slot = 0; slot < sh.needs.size(); ++slot)
     if (!sh.holds(sh.needs[slot]))
-      for (const float* sum : {dk_sum[slot], dv_sum[slot]}) sends.push_back({sh.chunks.owner(sh.needs[slot]), sum, kv_bytes});
+      for (const float* sum : {dk_sum[slot], dv_sum[slot]})
+        sends.push_back({plan.chunks.owner(sh.needs[slot]), sum, kv_bytes});
   float* dk_local = scratch.filled(local_chunks * kv_elems, 0.0f);
   float* dv_local = scratch.filled(local_chunks * kv_elems, 0.0f);
   for (std::size_t slot = 0; slot < sh.needs.size(); ++slot)

@@ -86,7 +86,8 @@ class NcclTransport final : public Transport {
     cudaEventDestroy(ready);
     nccl_check(ncclGroupStart(), "ncclGroupStart");
     for (const Send& m : sends) nccl_check(ncclSend(m.data, m.bytes, ncclUint8, m.peer, comm_, stream_), "ncclSend");
-    for (const Receive& m : receives) nccl_check(ncclRecv(m.data, m.bytes, ncclUint8, m.peer, comm_, stream_), "ncclRecv");
+    for (const Receive& m : receives)
+      nccl_check(ncclRecv(m.data, m.bytes, ncclUint8, m.peer, comm_, stream_), "ncclRecv");
     nccl_check(ncclGroupEnd(), "ncclGroupEnd");
     gpu::cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
     gpu::cuda_check(cudaEventRecord(done, stream_), "cudaEventRecord (exchange done)");
@@ -98,11 +99,14 @@ class NcclTransport final : public Transport {
   std::vector<int> gather(const int* mine, int n) {
     int* buffer = nullptr;  // this rank's n ints, then everyone's
     const std::size_t bytes = sizeof(int) * static_cast<std::size_t>(n);
-    gpu::cuda_check(cudaMallocAsync(reinterpret_cast<void**>(&buffer), bytes * (1 + world_), stream_), "cudaMallocAsync");
+    gpu::cuda_check(cudaMallocAsync(reinterpret_cast<void**>(&buffer), bytes * (1 + world_), stream_),
+                    "cudaMallocAsync");
     std::vector<int> all(static_cast<std::size_t>(n) * world_);
     gpu::cuda_check(cudaMemcpyAsync(buffer, mine, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
-    nccl_check(ncclAllGather(buffer, buffer + n, static_cast<std::size_t>(n), ncclInt32, comm_, stream_), "ncclAllGather");
-    gpu::cuda_check(cudaMemcpyAsync(all.data(), buffer + n, bytes * world_, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync");
+    nccl_check(ncclAllGather(buffer, buffer + n, static_cast<std::size_t>(n), ncclInt32, comm_, stream_),
+               "ncclAllGather");
+    gpu::cuda_check(cudaMemcpyAsync(all.data(), buffer + n, bytes * world_, cudaMemcpyDeviceToHost, stream_),
+                    "cudaMemcpyAsync");
     gpu::cuda_check(cudaFreeAsync(buffer, stream_), "cudaFreeAsync");
     gpu::cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (all_gather)");
     return all;

@@ -15,7 +15,9 @@ std::int32_t at(const TensorView& t, std::initializer_list<std::int64_t> index) 
   return static_cast<const std::int32_t*>(t.data)[offset];
 }
 
-std::string field(bool full, const char* name) { return std::string(full ? "pattern.full." : "pattern.partial.") + name; }
+std::string field(bool full, const char* name) {
+  return std::string(full ? "pattern.full." : "pattern.partial.") + name;
+}
 
 void add_bitmask(const BlockSet& set, bool full, const Problem& local, PatternBits& p, Scratch& scratch) {
   const std::string name = field(full, "bits");
@@ -27,7 +29,8 @@ void add_bitmask(const BlockSet& set, bool full, const Problem& local, PatternBi
     for (std::int64_t hs = 0; hs < p.Hs; ++hs)
       for (std::int64_t r = 0; r < p.rows; ++r)
         for (std::int64_t j = 0; j < p.words; ++j, ++i)
-          p.bits[i] |= static_cast<const std::uint32_t*>(w.data)[bs * w.stride[0] + hs * w.stride[1] + r * w.stride[2] + j * w.stride[3]];
+          p.bits[i] |= static_cast<const std::uint32_t*>(
+              w.data)[bs * w.stride[0] + hs * w.stride[1] + r * w.stride[2] + j * w.stride[3]];
   if (p.key_blocks % 32 != 0)  // bits past the last key block would name blocks that do not exist
     for (std::size_t row = 0; row < p.bits.size() / static_cast<std::size_t>(p.words); ++row)
       p.bits[(row + 1) * p.words - 1] &= (1u << (p.key_blocks % 32)) - 1u;
@@ -49,7 +52,8 @@ void add_block_lists(const BlockSet& set, bool full, const Problem& local, Patte
   const std::int64_t width = set.indices.shape[3];
   expect_shape(set.indices, indices_name.c_str(), {p.Bs, p.Hs, p.rows, width}, DType::i32, local, true);
   std::vector<unsigned char> counts_copy, indices_copy;
-  const TensorView counts = scratch.to_host(set.counts, counts_copy), indices = scratch.to_host(set.indices, indices_copy);
+  const TensorView counts = scratch.to_host(set.counts, counts_copy),
+                   indices = scratch.to_host(set.indices, indices_copy);
   for (std::int64_t bs = 0, row = 0; bs < p.Bs; ++bs)
     for (std::int64_t hs = 0; hs < p.Hs; ++hs)
       for (std::int64_t r = 0; r < p.rows; ++r, ++row) {
@@ -74,7 +78,8 @@ void add_bsr(const BlockSet& set, bool full, const Problem& local, PatternBits& 
   expect_shape(set.indices, indices_name.c_str(), {at(indptr, {rows})}, DType::i32, local, true);
   const TensorView indices = scratch.to_host(set.indices, indices_copy);
   for (std::int64_t row = 0; row < rows; ++row)
-    for (std::int32_t i = at(indptr, {row}); i < at(indptr, {row + 1}); ++i) keep(p, row, at(indices, {i}), indices_name);
+    for (std::int32_t i = at(indptr, {row}); i < at(indptr, {row + 1}); ++i)
+      keep(p, row, at(indices, {i}), indices_name);
 }
 
 }  // namespace

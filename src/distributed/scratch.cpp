@@ -97,8 +97,8 @@ void Scratch::pack(const TensorView& kv, std::int64_t begin, std::int64_t tokens
   const std::size_t row = static_cast<std::size_t>(kv.shape[2] * kv.shape[3]) * es;
   for (std::int64_t b = 0; b < kv.shape[0]; ++b)
     gpu::cuda_check(cudaMemcpy2DAsync(to + b * tokens * row, row, from + (b * kv.stride[0] + begin * kv.stride[1]) * es,
-                                      static_cast<std::size_t>(kv.stride[1]) * es, row, static_cast<std::size_t>(tokens),
-                                      cudaMemcpyDeviceToDevice, cuda(stream_)),
+                                      static_cast<std::size_t>(kv.stride[1]) * es, row,
+                                      static_cast<std::size_t>(tokens), cudaMemcpyDeviceToDevice, cuda(stream_)),
                     "cudaMemcpy2DAsync (K/V chunk)");
 #endif
 }
@@ -119,7 +119,8 @@ void Scratch::store(const float* src, const TensorView& dst) {
     for (std::int64_t i0 = 0; i0 < dst.shape[0]; ++i0)
       for (std::int64_t i1 = 0; i1 < dst.shape[1]; ++i1)
         for (std::int64_t i2 = 0; i2 < dst.shape[2]; ++i2, src += n3) {
-          auto* row = static_cast<unsigned char*>(dst.data) + (i0 * dst.stride[0] + i1 * dst.stride[1] + i2 * dst.stride[2]) * es;
+          auto* row = static_cast<unsigned char*>(dst.data) +
+                      (i0 * dst.stride[0] + i1 * dst.stride[1] + i2 * dst.stride[2]) * es;
           for (std::int64_t j = 0; j < n3; ++j) {
             if (dst.dtype == DType::f32) reinterpret_cast<float*>(row)[j] = src[j];
             else if (dst.dtype == DType::bf16) reinterpret_cast<std::uint16_t*>(row)[j] = cpu::float_to_bf16(src[j]);

@@ -212,7 +212,9 @@ class Sequence {
     std::vector<int> rows(qb_);
     for (int i = 0; i < qb_; ++i) rows[i] = i;
     std::vector<std::uint32_t> w = bits(rows);
-    if (s_.sparse) in.partial.bits = TensorView::contiguous(w.data(), DType::u32, {s_.sparsity_batch, s_.sparsity_heads, qb_, words_});
+    if (s_.sparse)
+      in.partial.bits =
+          TensorView::contiguous(w.data(), DType::u32, {s_.sparsity_batch, s_.sparsity_heads, qb_, words_});
     if (!doc_ids_.empty()) {
       p.mask.document_ids = true;
       in.doc_q = in.doc_kv = TensorView::contiguous(self.doc_ids_.data(), DType::i32, {1, S_});
@@ -274,7 +276,8 @@ class Sequence {
           };
           d.q = take(q_, s_.hq), d.k = take(k_, s_.hkv), d.v = take(v_, s_.hkv), d.dout = take(dout_, s_.hq);
           std::vector<int> rows;
-          for (std::int64_t i = 0; i < local; i += s_.bq) rows.push_back(static_cast<int>(global_token(rank, i) / s_.bq));
+          for (std::int64_t i = 0; i < local; i += s_.bq)
+            rows.push_back(static_cast<int>(global_token(rank, i) / s_.bq));
           d.mask = bits(rows);
           d.mask_shape = {s_.sparsity_batch, s_.sparsity_heads, std::int64_t(rows.size()), words_};
           d.problem = problem(local);
@@ -330,7 +333,8 @@ inline void expect_same(const Result& got, const Result& want, float tol, const 
   for (std::size_t i = 0; i < want.lse.size(); ++i) {
     if (std::isinf(want.lse[i])) {
       ++infinite_lse;
-      if (!(got.lse[i] == want.lse[i]) && bad++ < 5) ADD_FAILURE() << what << ": lse[" << i << "] " << got.lse[i] << " vs -inf";
+      if (!(got.lse[i] == want.lse[i]) && bad++ < 5)
+        ADD_FAILURE() << what << ": lse[" << i << "] " << got.lse[i] << " vs -inf";
     } else if (!(std::fabs(got.lse[i] - want.lse[i]) <= tol) && bad++ < 5) {
       ADD_FAILURE() << what << ": lse[" << i << "] " << got.lse[i] << " vs " << want.lse[i];
     }
@@ -341,7 +345,8 @@ inline void expect_same(const Result& got, const Result& want, float tol, const 
 
 // dQ, dK, dV of the sharded backward against the single-process one: within `tol` plus, for dQ
 // rounded to bf16 once, `rel` of its size.
-inline void expect_same_gradients(const Result& got, const Result& want, float tol, float rel, const std::string& what) {
+inline void expect_same_gradients(const Result& got, const Result& want, float tol, float rel,
+                                  const std::string& what) {
   std::size_t bad = 0;
   const auto compare = [&](const std::vector<float>& g, const std::vector<float>& w, float r, const char* name) {
     ASSERT_EQ(g.size(), w.size());

@@ -129,7 +129,8 @@ TEST(Distributed, ShardedEqualsSingleProcess) {
           expect_same(got, want, 2e-5f, what);
           expect_same_gradients(got, want, 1e-4f, s.dtype == DType::bf16 ? 8e-3f : 0.0f, what + " backward");
           ++cases;
-          with_empty_rows += s.sparse && std::any_of(want.lse.begin(), want.lse.end(), [](float x) { return std::isinf(x); });
+          with_empty_rows +=
+              s.sparse && std::any_of(want.lse.begin(), want.lse.end(), [](float x) { return std::isinf(x); });
         }
   EXPECT_EQ(cases, 48);
   EXPECT_GT(with_empty_rows, 0) << "no case had an empty row";
@@ -164,7 +165,8 @@ TEST(Distributed, PackedDocumentsEqualTheVarlenCall) {
           const Sequence seq(s);
           const Result want = seq.reference(), got = sharded_on_host(seq, s.world);
           expect_same(got, want, 2e-5f, describe(s) + ", documents");
-          expect_same_gradients(got, want, 1e-4f, s.dtype == DType::bf16 ? 8e-3f : 0.0f, describe(s) + ", documents backward");
+          expect_same_gradients(got, want, 1e-4f, s.dtype == DType::bf16 ? 8e-3f : 0.0f,
+                                describe(s) + ", documents backward");
         }
 }
 
@@ -180,7 +182,8 @@ TEST(Distributed, DocumentsWithinChunksMoveNothing) {
     expect_same(got, want, 2e-5f, describe(s) + ", a document per chunk");
     for (int rank = 0; rank < s.world; ++rank) {
       EXPECT_EQ(got.stats[rank].chunks_received, 0) << describe(s) << ", rank " << rank;
-      EXPECT_EQ(got.stats[rank].pairs_attended, layout == dist::Layout::zigzag ? 2 : 1) << describe(s) << ", rank " << rank;
+      EXPECT_EQ(got.stats[rank].pairs_attended, layout == dist::Layout::zigzag ? 2 : 1)
+          << describe(s) << ", rank " << rank;
     }
   }
 }
@@ -207,7 +210,8 @@ TEST(Distributed, ShardedPlanServesRepeatedCalls) {
   dist::ShardedPlan plan(forward_only, dist::Sharding{dist::Layout::zigzag, true, {}}, 1);
   dist::LocalGroup one(1);
   auto solo = one.transport(0);
-  std::vector<float> x(std::size_t(2 * s.chunk) * s.hq * s.d), y(std::size_t(2 * s.chunk) * s.hkv * s.d), l(2 * s.chunk * s.hq);
+  std::vector<float> x(std::size_t(2 * s.chunk) * s.hq * s.d), y(std::size_t(2 * s.chunk) * s.hkv * s.d),
+      l(2 * s.chunk * s.hq);
   const auto q = TensorView::contiguous(x.data(), DType::f32, {1, 2 * s.chunk, s.hq, s.d});
   const auto kv = TensorView::contiguous(y.data(), DType::f32, {1, 2 * s.chunk, s.hkv, s.d});
   const auto lse = TensorView::contiguous(l.data(), DType::f32, {1, s.hq, 2 * s.chunk});
@@ -245,7 +249,8 @@ TEST(Distributed, PatternsInEveryBatchedFormat) {
         auto transport = group.transport(d.rank);
         return run_on_host(*transport, d, nullptr, how);
       });
-      const std::string what = describe(s) + ", format " + std::to_string(int(how.format)) + (how.split_full ? " split" : "");
+      const std::string what =
+          describe(s) + ", format " + std::to_string(int(how.format)) + (how.split_full ? " split" : "");
       const Result want = seq.reference();
       expect_same(got, want, 2e-5f, what);
       expect_same_gradients(got, want, 1e-4f, 0.0f, what + " backward");
@@ -357,7 +362,8 @@ TEST(Distributed, BadShardsNameTheArgument) {
   // Packed documents: offsets must run from 0 to the sequence's tokens, non-decreasing.
   p.max_seqlen_q = p.max_seqlen_kv = 48;
   p.block = {16, 16};
-  for (const std::vector<std::int64_t>& offsets : std::vector<std::vector<std::int64_t>>{{0, 40}, {0, 30, 20, 48}, {1, 48}}) {
+  for (const std::vector<std::int64_t>& offsets :
+       std::vector<std::vector<std::int64_t>>{{0, 40}, {0, 30, 20, 48}, {1, 48}}) {
     dist::Sharding documents;
     documents.cu_seqlens = offsets;
     try {

@@ -133,7 +133,8 @@ void expect_close_gradients(const Result& got, const Result& want, const std::st
     std::size_t bad = 0;
     for (std::size_t i = 0; i < w.size(); ++i)
       if (!(std::fabs(g[i] - w[i]) <= tol) && bad++ < 5)
-        ADD_FAILURE() << what << ": " << name << "[" << i << "] " << g[i] << " vs " << w[i] << " (tolerance " << tol << ")";
+        ADD_FAILURE() << what << ": " << name << "[" << i << "] " << g[i] << " vs " << w[i] << " (tolerance " << tol
+                      << ")";
     EXPECT_EQ(bad, 0u) << what << " " << name;
   };
   compare(got.dq, want.dq, "dq");
