@@ -4,7 +4,8 @@
 #include <cstring>
 #include <string>
 
-#include "bsattn/cpu/numeric.hpp"
+#include "bsattn/cpu/engine.hpp"
+#include "formats/bind.hpp"
 #if BSATTN_WITH_CUDA
 #include "gpu/device_guard.hpp"
 #include "gpu/elementwise.hpp"
@@ -115,18 +116,13 @@ void Scratch::add(float* dst, const float* src, std::size_t count) {
 
 void Scratch::store(const float* src, const TensorView& dst) {
   if (device_ == Device::cpu) {
-    const std::int64_t es = static_cast<std::int64_t>(element_size(dst.dtype)), n3 = dst.shape[3];
+    const ElementType type = formats::element_type(dst.dtype);
+    const std::int64_t n3 = dst.shape[3];
     for (std::int64_t i0 = 0; i0 < dst.shape[0]; ++i0)
       for (std::int64_t i1 = 0; i1 < dst.shape[1]; ++i1)
-        for (std::int64_t i2 = 0; i2 < dst.shape[2]; ++i2, src += n3) {
-          auto* row = static_cast<unsigned char*>(dst.data) +
-                      (i0 * dst.stride[0] + i1 * dst.stride[1] + i2 * dst.stride[2]) * es;
-          for (std::int64_t j = 0; j < n3; ++j) {
-            if (dst.dtype == DType::f32) reinterpret_cast<float*>(row)[j] = src[j];
-            else if (dst.dtype == DType::bf16) reinterpret_cast<std::uint16_t*>(row)[j] = cpu::float_to_bf16(src[j]);
-            else reinterpret_cast<std::uint16_t*>(row)[j] = cpu::float_to_half(src[j]);
-          }
-        }
+        for (std::int64_t i2 = 0; i2 < dst.shape[2]; ++i2, src += n3)
+          cpu::detail::store_row(dst.data, i0 * dst.stride[0] + i1 * dst.stride[1] + i2 * dst.stride[2],
+                                 static_cast<int>(n3), type, src);
     return;
   }
 #if BSATTN_WITH_CUDA
