@@ -71,6 +71,7 @@ float* Scratch::filled(std::size_t count, float value) {
 }
 
 void Scratch::upload(void* dst, const void* host, std::size_t bytes) {
+  if (bytes == 0) return;  // an empty host vector's data() may be null
   if (device_ == Device::cpu) {
     std::memcpy(dst, host, bytes);
     return;

@@ -1,0 +1,159 @@
+// Metadata values at random (SPEC §8: with validate = true the checks are a complete guard). Each
+// case starts from a valid base (validation_case.hpp: every format and layout, with and without
+// document ids, kv_valid bits and an explicit proxy set) and overwrites one to three random
+// elements of its integer tensors (block sets, sequence offsets and lengths, the block table, the
+// document ids, the bits) with values on and beside the rules' bounds. The call must then either
+//  * throw bsattn::Error naming a tensor or problem field, and write no output element, or
+//  * attend as the float64 oracle does on the same, mutated, tensors, writing every element.
+// Under scripts/test-sanitizers a read outside a tensor that validation let through fails too.
+// Mutations per base: BSATTN_FUZZ_CASES (default 150); BSATTN_FUZZ_SEED changes the sequence.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "oracle.hpp"
+#include "validation_case.hpp"
+
+namespace {
+using namespace bsattn;
+using namespace validation_case;
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : fallback;
+}
+
+// An integer metadata tensor of the case, by its argument name.
+struct Target {
+  std::string name;
+  TensorView* view;
+};
+
+std::vector<Target> integer_tensors(Case& c) {
+  std::vector<Target> t;
+  for (auto& [name, view] : c.fields())
+    if (view->data && (view->dtype == DType::i32 || view->dtype == DType::u32) && name.rfind("outputs.", 0) != 0)
+      t.push_back({name, view});
+  return t;
+}
+
+// Overwrites one random element of a random integer tensor; returns what it did.
+std::string mutate(Case& c, std::mt19937_64& rng) {
+  const std::vector<Target> targets = integer_tensors(c);
+  const Target& t = targets[rng() % targets.size()];
+  std::int64_t offset = 0;
+  std::ostringstream what;
+  what << t.name << "[";
+  for (int d = 0; d < t.view->rank; ++d) {
+    const std::int64_t i = t.view->shape[d] > 0 ? static_cast<std::int64_t>(rng() % t.view->shape[d]) : 0;
+    offset += i * t.view->stride[d];
+    what << (d ? ", " : "") << i;
+  }
+  auto* element = static_cast<std::int32_t*>(t.view->data) + offset;
+  const std::int32_t old = *element;
+  std::int32_t value = old;
+  if (t.view->dtype == DType::u32) {
+    const unsigned r = rng() % 8;
+    value = r == 0 ? 0 : r == 1 ? -1 : static_cast<std::int32_t>(static_cast<std::uint32_t>(old) ^ (1u << (rng() % 32)));
+  } else {
+    switch (rng() % 8) {
+      case 0: value = old + static_cast<std::int32_t>(rng() % 2 ? 1 : -1); break;
+      case 1: value = old + static_cast<std::int32_t>(rng() % 2 ? 2 : -2); break;
+      case 2: value = static_cast<std::int32_t>(rng() % 3) - 1; break;  // -1, 0, 1
+      case 3: value = std::numeric_limits<std::int32_t>::max(); break;
+      case 4: value = std::numeric_limits<std::int32_t>::min(); break;
+      case 5: value = old + static_cast<std::int32_t>(rng() % 2 ? 16 : -16); break;  // a block of tokens
+      default: value = static_cast<std::int32_t>(rng() % 80) - 4; break;
+    }
+  }
+  *element = value;
+  what << "] " << old << " -> " << value;
+  return what.str();
+}
+
+// O and LSE of an accepted call against the oracle on the same tensors (f32 inputs, D = 8).
+void expect_oracle(const Case& c) {
+  const bsattn_test::Oracle oracle(c.p, c.in);
+  const bsattn_test::OracleResult ref = oracle.compute();
+  const bool varlen = c.p.q_layout == QLayout::varlen;
+  const auto* out = static_cast<const float*>(c.out.out.data);
+  const auto* lse = static_cast<const float*>(c.out.lse.data);
+  int bad = 0;
+  for (int b = 0; b < c.p.batch; ++b)
+    for (int q = 0; q < oracle.seqlen_q(b); ++q)
+      for (int h = 0; h < c.p.heads_q; ++h) {
+        const std::int64_t row = oracle.q_row(b, q);
+        const double want = ref.lse[row * c.p.heads_q + h];
+        const float got = lse[varlen ? h * c.out.lse.stride[0] + row : b * c.out.lse.stride[0] + h * c.out.lse.stride[1] + q];
+        const bool lse_ok = std::isinf(want) ? (std::isinf(got) && got < 0) : std::abs(got - want) <= 1e-4 * (1 + std::abs(want));
+        bool out_ok = true;
+        for (int d = 0; d < c.p.head_dim; ++d) {
+          const double o = ref.out[(row * c.p.heads_q + h) * c.p.head_dim + d];
+          out_ok = out_ok && std::abs(out[(row * c.p.heads_q + h) * c.p.head_dim + d] - o) <= 1e-4 * (1 + std::abs(o));
+        }
+        if ((!lse_ok || !out_ok) && ++bad <= 3)
+          ADD_FAILURE() << "b=" << b << " q=" << q << " h=" << h << ": LSE " << got << " against " << want
+                        << (out_ok ? "" : ", O differs");
+      }
+}
+
+class MutatedMetadata : public ::testing::TestWithParam<BaseParam> {};
+
+TEST_P(MutatedMetadata, IsRefusedWithNothingWrittenOrAttendsAsTheOracle) {
+  const BaseParam& base = GetParam();
+  const int cases = env_int("BSATTN_FUZZ_CASES", 150);
+  Options o = with(base.format, base.q, base.kv);
+  o.features = base.features;
+  {
+    Case probe(o);
+    if (integer_tensors(probe).empty()) GTEST_SKIP() << "no integer metadata (all blocks, batched, contiguous)";
+  }
+  std::mt19937_64 rng(static_cast<std::uint64_t>(env_int("BSATTN_FUZZ_SEED", 0)) * 1000003u +
+                      static_cast<std::uint64_t>(base.format) * 16 + static_cast<std::uint64_t>(base.q) * 8 +
+                      static_cast<std::uint64_t>(base.kv) * 2 + (base.features ? 1 : 0));
+  int refused = 0;
+  for (int i = 0; i < cases; ++i) {
+    Case c(o);
+    std::string what;
+    for (int m = 1 + static_cast<int>(rng() % 3); m > 0; --m) what += mutate(c, rng) + "; ";
+    SCOPED_TRACE("mutation " + std::to_string(i) + ": " + what);
+    c.poison();
+    try {
+      attention(c.p, c.in, c.out);
+    } catch (const Error& e) {
+      ++refused;
+      EXPECT_FALSE(e.argument().empty()) << e.what();
+      EXPECT_EQ(c.poisoned(), c.output_elements()) << "refused (" << e.what() << ") but an output element was written";
+      continue;
+    }
+    ASSERT_EQ(c.poisoned(), 0) << "accepted, but an output element was not written";
+    expect_oracle(c);
+    if (HasFailure()) return;
+  }
+  // Both outcomes must occur, or the mutations test one side only (document ids and kv_valid bits
+  // take any value: a base with nothing else is never refused).
+  bool constrained = false;
+  {
+    Case probe(o);
+    for (const Target& t : integer_tensors(probe))
+      constrained = constrained || (t.name != "doc_q" && t.name != "doc_kv" && t.name != "kv_valid");
+  }
+  if (cases >= 50) {
+    if (constrained) {
+      EXPECT_GT(refused, 0);
+    }
+    EXPECT_LT(refused, cases);
+  }
+  RecordProperty("refused", refused);
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryFormatAndLayout, MutatedMetadata, ::testing::ValuesIn(base_params()), base_name);
+
+}  // namespace
