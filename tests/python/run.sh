@@ -5,6 +5,10 @@
 # only, incrementally in WORK_DIR/build), then runs pytest on tests/python. Needs python3 >= 3.11
 # with venv and network access to PyPI; on Debian it installs python3-venv when that is missing.
 #
+# BSATTN_PY_SANITIZE=address builds the extension with -DBSATTN_SANITIZE=address and runs pytest
+# with the sanitizer runtimes preloaded (scripts/test-sanitizers; leak checks off: the interpreter
+# keeps its allocations to the end).
+#
 # usage: tests/python/run.sh [WORK_DIR] [pytest arguments...]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -37,8 +41,19 @@ mapfile -t requires <<<"$requires"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "${requires[@]}"
 
 # The wheel build: no CUDA (fast, and this machine may have nvcc without a GPU), two jobs.
+cmake_args=()
+preload=()
+case "${BSATTN_PY_SANITIZE:-}" in
+  "") ;;
+  address)
+    cmake_args=(-C "cmake.define.BSATTN_SANITIZE=address")
+    preload=(env LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"
+             ASAN_OPTIONS="detect_leaks=0:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+    ;;
+  *) echo "python_package: BSATTN_PY_SANITIZE='$BSATTN_PY_SANITIZE' is not address" >&2; exit 1 ;;
+esac
 BSATTN_ENABLE_CUDA=OFF CMAKE_BUILD_PARALLEL_LEVEL=2 "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-  --no-build-isolation -C build-dir="$work/build" "$root[test,bf16]"
+  --no-build-isolation -C build-dir="$work/build" "${cmake_args[@]}" "$root[test,bf16]"
 
 cd "$root"
-exec "$venv/bin/python" -m pytest -p no:cacheprovider -q tests/python "$@"
+exec "${preload[@]}" "$venv/bin/python" -m pytest -p no:cacheprovider -q tests/python "$@"
