@@ -9,7 +9,9 @@
 // Mutations per base: BSATTN_FUZZ_CASES (default 150); BSATTN_FUZZ_SEED changes the sequence.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
@@ -59,17 +61,21 @@ std::string mutate(Case& c, std::mt19937_64& rng) {
   auto* element = static_cast<std::int32_t*>(t.view->data) + offset;
   const std::int32_t old = *element;
   std::int32_t value = old;
+  // old + delta, wrapping (a previous mutation may have left an int32 extreme there).
+  const auto step = [&](std::int32_t delta) {
+    return static_cast<std::int32_t>(static_cast<std::uint32_t>(old) + static_cast<std::uint32_t>(delta));
+  };
   if (t.view->dtype == DType::u32) {
     const unsigned r = rng() % 8;
     value = r == 0 ? 0 : r == 1 ? -1 : static_cast<std::int32_t>(static_cast<std::uint32_t>(old) ^ (1u << (rng() % 32)));
   } else {
     switch (rng() % 8) {
-      case 0: value = old + static_cast<std::int32_t>(rng() % 2 ? 1 : -1); break;
-      case 1: value = old + static_cast<std::int32_t>(rng() % 2 ? 2 : -2); break;
+      case 0: value = step(rng() % 2 ? 1 : -1); break;
+      case 1: value = step(rng() % 2 ? 2 : -2); break;
       case 2: value = static_cast<std::int32_t>(rng() % 3) - 1; break;  // -1, 0, 1
       case 3: value = std::numeric_limits<std::int32_t>::max(); break;
       case 4: value = std::numeric_limits<std::int32_t>::min(); break;
-      case 5: value = old + static_cast<std::int32_t>(rng() % 2 ? 16 : -16); break;  // a block of tokens
+      case 5: value = step(rng() % 2 ? 16 : -16); break;  // a block of tokens
       default: value = static_cast<std::int32_t>(rng() % 80) - 4; break;
     }
   }
@@ -104,26 +110,48 @@ void expect_oracle(const Case& c) {
       }
 }
 
-class MutatedMetadata : public ::testing::TestWithParam<BaseParam> {};
-
-TEST_P(MutatedMetadata, IsRefusedWithNothingWrittenOrAttendsAsTheOracle) {
-  const BaseParam& base = GetParam();
-  const int cases = env_int("BSATTN_FUZZ_CASES", 150);
-  Options o = with(base.format, base.q, base.kv);
-  o.features = base.features;
-  {
-    Case probe(o);
+// The base, the number of mutations, a random sequence of its own, and whether any mutated value
+// has a rule (document ids and kv_valid bits take any value: a base with nothing else is never
+// refused).
+class MutatedMetadata : public ::testing::TestWithParam<BaseParam> {
+ protected:
+  void SetUp() override {
+    const BaseParam& base = GetParam();
+    options = with(base.format, base.q, base.kv);
+    options.features = base.features;
+    rng.seed(static_cast<std::uint64_t>(env_int("BSATTN_FUZZ_SEED", 0)) * 1000003u +
+             static_cast<std::uint64_t>(base.format) * 16 + static_cast<std::uint64_t>(base.q) * 8 +
+             static_cast<std::uint64_t>(base.kv) * 2 + (base.features ? 1 : 0));
+    Case probe(options);
+    for (const Target& t : integer_tensors(probe))
+      constrained = constrained || (t.name != "doc_q" && t.name != "doc_kv" && t.name != "kv_valid");
     if (integer_tensors(probe).empty()) GTEST_SKIP() << "no integer metadata (all blocks, batched, contiguous)";
   }
-  std::mt19937_64 rng(static_cast<std::uint64_t>(env_int("BSATTN_FUZZ_SEED", 0)) * 1000003u +
-                      static_cast<std::uint64_t>(base.format) * 16 + static_cast<std::uint64_t>(base.q) * 8 +
-                      static_cast<std::uint64_t>(base.kv) * 2 + (base.features ? 1 : 0));
-  int refused = 0;
-  for (int i = 0; i < cases; ++i) {
-    Case c(o);
+  // One to three mutations of c; their description.
+  std::string mutate_some(Case& c) {
     std::string what;
     for (int m = 1 + static_cast<int>(rng() % 3); m > 0; --m) what += mutate(c, rng) + "; ";
-    SCOPED_TRACE("mutation " + std::to_string(i) + ": " + what);
+    return what;
+  }
+  void expect_both_outcomes(int refused) const {
+    if (cases < 50) return;
+    if (constrained) {
+      EXPECT_GT(refused, 0);
+    }
+    EXPECT_LT(refused, cases);
+  }
+
+  const int cases = env_int("BSATTN_FUZZ_CASES", 150);
+  Options options;
+  std::mt19937_64 rng;
+  bool constrained = false;
+};
+
+TEST_P(MutatedMetadata, IsRefusedWithNothingWrittenOrAttendsAsTheOracle) {
+  int refused = 0;
+  for (int i = 0; i < cases; ++i) {
+    Case c(options);
+    SCOPED_TRACE("mutation " + std::to_string(i) + ": " + mutate_some(c));
     c.poison();
     try {
       attention(c.p, c.in, c.out);
@@ -137,20 +165,96 @@ TEST_P(MutatedMetadata, IsRefusedWithNothingWrittenOrAttendsAsTheOracle) {
     expect_oracle(c);
     if (HasFailure()) return;
   }
-  // Both outcomes must occur, or the mutations test one side only (document ids and kv_valid bits
-  // take any value: a base with nothing else is never refused).
-  bool constrained = false;
-  {
-    Case probe(o);
-    for (const Target& t : integer_tensors(probe))
-      constrained = constrained || (t.name != "doc_q" && t.name != "doc_kv" && t.name != "kv_valid");
+  expect_both_outcomes(refused);
+  RecordProperty("refused", refused);
+}
+
+// f32 tensors of a case's backward: dO like O, and the gradients like Q, K and V.
+struct BackwardTensors {
+  std::vector<float> dout, dq, dk, dv;
+  TensorView dout_view, dq_view, dk_view, dv_view;
+
+  explicit BackwardTensors(const Case& c) {
+    const auto like = [](std::vector<float>& data, const TensorView& t) {
+      data.assign(static_cast<std::size_t>(t.numel()), 0.0f);
+      TensorView v = t;
+      v.data = data.data();
+      v.dtype = DType::f32;
+      return v;
+    };
+    dout_view = like(dout, c.out.out);
+    for (std::size_t i = 0; i < dout.size(); ++i) dout[i] = static_cast<float>((i * 53) % 29) / 29.0f - 0.5f;
+    dq_view = like(dq, c.in.q);
+    dk_view = like(dk, c.in.k);
+    dv_view = like(dv, c.in.v);
   }
-  if (cases >= 50) {
-    if (constrained) {
-      EXPECT_GT(refused, 0);
+  void poison() {
+    for (std::vector<float>* g : {&dq, &dk, &dv})
+      for (float& x : *g) std::memcpy(&x, &kPoison, sizeof x);
+  }
+  std::int64_t poisoned() const {
+    std::int64_t n = 0;
+    for (const std::vector<float>* g : {&dq, &dk, &dv})
+      for (const float& x : *g) n += std::memcmp(&x, &kPoison, sizeof x) == 0;
+    return n;
+  }
+  std::int64_t elements() const { return static_cast<std::int64_t>(dq.size() + dk.size() + dv.size()); }
+};
+
+// dQ, dK, dV against the oracle's float64 backward (rows in the same order as the tensors: the
+// case's Q, K and V are contiguous, batched or packed).
+void expect_oracle_gradients(const Case& c, const BackwardTensors& t) {
+  const bsattn_test::OracleGradients ref = bsattn_test::Oracle(c.p, c.in).backward(t.dout_view);
+  const auto compare = [](const std::vector<float>& got, const std::vector<double>& want, const char* name) {
+    ASSERT_EQ(got.size(), want.size()) << name;
+    double scale = 0;
+    for (double w : want) scale = std::max(scale, std::abs(w));
+    for (std::size_t i = 0; i < got.size(); ++i)
+      if (std::abs(got[i] - want[i]) > 1e-5 + 1e-4 * scale) {
+        ADD_FAILURE() << name << "[" << i << "] = " << got[i] << " against " << want[i];
+        return;
+      }
+  };
+  compare(t.dq, ref.dq, "dq");
+  compare(t.dk, ref.dk, "dk");
+  compare(t.dv, ref.dv, "dv");
+}
+
+// The backward with the same mutated metadata: refused (by the argument the forward names, with no
+// gradient element written) exactly where the forward is, else dQ, dK and dV as the oracle's.
+TEST_P(MutatedMetadata, BackwardIsRefusedAsTheForwardOrDifferentiatesAsTheOracle) {
+  if (GetParam().kv == KVLayout::paged) GTEST_SKIP() << "no backward of paged K/V";
+  int refused = 0;
+  for (int i = 0; i < cases; ++i) {
+    Case c(options);
+    c.p.proxy = Proxy::off;  // no backward of proxy routes: the base's other features stay
+    c.in.proxy = {};
+    c.in.k_summary = c.in.v_summary = {};
+    SCOPED_TRACE("mutation " + std::to_string(i) + ": " + mutate_some(c));
+    BackwardTensors t(c);
+    t.poison();
+    const BackwardInputs backward{c.out.out, c.out.lse, t.dout_view, {}};
+    const Gradients gradients{t.dq_view, t.dk_view, t.dv_view};
+    std::string forward_refusal;
+    try {
+      attention(c.p, c.in, c.out);
+    } catch (const Error& e) {
+      forward_refusal = e.argument();
     }
-    EXPECT_LT(refused, cases);
+    try {
+      attention_backward(c.p, c.in, backward, gradients);
+    } catch (const Error& e) {
+      ++refused;
+      EXPECT_EQ(e.argument(), forward_refusal) << e.what();
+      EXPECT_EQ(t.poisoned(), t.elements()) << "refused (" << e.what() << ") but a gradient element was written";
+      continue;
+    }
+    ASSERT_EQ(forward_refusal, "") << "the backward accepted what the forward refused";
+    ASSERT_EQ(t.poisoned(), 0) << "accepted, but a gradient element was not written";
+    expect_oracle_gradients(c, t);
+    if (HasFailure()) return;
   }
+  expect_both_outcomes(refused);
   RecordProperty("refused", refused);
 }
 
