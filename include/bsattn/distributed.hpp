@@ -131,7 +131,10 @@ struct Pattern {
 // [B, S_local, Hkv, D]; out [B, S_local, Hq, D] of local.out_dtype, lse f32 [B, Hq, S_local]
 // (may be left undefined). Every tensor on local.device; on a GPU each token's heads are
 // contiguous in K and V (stride[2] == D: a chunk travels as one copy per batch). The pattern's
-// values are always checked (it is read on the host), and the chunk pairs, whose metadata is made
+// values are always checked (it is read on the host), by the rules of a single-process call (SPEC
+// §3, §8: L <= nKB, counts within [0, L], a row's entries ascending and unique in [0, nKB), BSR
+// offsets from 0, non-decreasing, ending within the indices, no block in both sets; errors name
+// pattern.<set>.<tensor>), and the chunk pairs, whose metadata is made
 // from it, run without validation (local.validate is not read). Throws bsattn::Error naming the
 // argument before anything is sent when the shapes, the layout or the pattern's values do not fit.
 Stats attention(Transport& transport, const Problem& local, const Sharding& sharding, const TensorView& q,

@@ -35,7 +35,12 @@ struct TensorView {
                             std::initializer_list<std::int64_t> stride, Device device = Device::cpu,
                             int device_index = 0);
 
+  // A tensor is given when its pointer is not null. A view of zero elements is given too (an empty
+  // BSR set, an empty batch): contiguous() and strided() point one whose producer handed over a
+  // null pointer (an empty std::vector's data(), a zero-size DLPack tensor) at empty_address(),
+  // which nothing reads.
   bool defined() const { return data != nullptr; }
+  static void* empty_address();
   std::int64_t numel() const;
   std::string shape_string() const;  // "[2, 128, 8, 64]"
 };

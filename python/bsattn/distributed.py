@@ -137,8 +137,10 @@ def _host(t):
 def _dense_pattern(sparsity, q_blocks, k_blocks, validate):
     """A batched `bsattn.sparsity` object as a dense boolean NumPy block mask [Bs, Hs, nQB, nKB]
     (None for AllBlocks). The pattern is small next to Q, K and V, so it is read on the host;
-    with ``validate`` a count past the lists' width or an entry past the key blocks is an error
-    (without, such entries are dropped)."""
+    with ``validate`` it is checked as a single-process call checks its pattern (SPEC §3, §8):
+    lists no wider than the key blocks, counts within the width, a row's entries ascending and
+    unique within the key blocks, BSR offsets non-decreasing from 0 and ending within the
+    indices, no block in both sets (without, out-of-range entries are dropped)."""
     import numpy as np
 
     from .sparsity import BSR, AllBlocks, Bitmask, BlockLists
@@ -161,8 +163,12 @@ def _dense_pattern(sparsity, q_blocks, k_blocks, validate):
             got = np.zeros((bs, hs, nqb, k_blocks), bool)
             listed = np.arange(width) < counts[..., None]
             if validate:
+                if width > k_blocks:
+                    raise _tensors.fail("block_mask", f"block lists of width {width}: expected at most {k_blocks} "
+                                                      f"(the global key blocks)")
                 _expect_entries(counts, 0, width, "block counts", "the lists' width")
                 _expect_entries(indices[listed], 0, k_blocks - 1, "block indices", "the global key blocks")
+                _expect_ascending(indices[..., 1:] > indices[..., :-1], listed[..., 1:], "block indices")
             keep = listed & (indices >= 0) & (indices < k_blocks)
             b, h, r, i = np.nonzero(keep)
             got[b, h, r, indices[b, h, r, i]] = True
@@ -178,14 +184,35 @@ def _dense_pattern(sparsity, q_blocks, k_blocks, validate):
                                                   f"{q_blocks} query blocks has {rows + 1} indptr entries, got {len(indptr)}")
             got = np.zeros((rows, k_blocks), bool)
             if validate:
+                if indptr[0] != 0 or indptr[-1] > len(indices):
+                    raise _tensors.fail("block_mask", f"BSR offsets from {int(indptr[0])} to {int(indptr[-1])}: "
+                                                      f"expected 0 to at most {len(indices)} (the indices' length)")
                 _expect_entries(np.diff(indptr), 0, k_blocks, "BSR row lengths", "the global key blocks")
                 _expect_entries(indices[:indptr[-1]], 0, k_blocks - 1, "BSR indices", "the global key blocks")
             row_of = np.repeat(np.arange(rows), np.diff(indptr))
+            if validate and indptr[-1] > 1:
+                same_row = row_of[1:] == row_of[:-1]
+                _expect_ascending(indices[1:indptr[-1]] > indices[:indptr[-1] - 1], same_row, "BSR indices")
             ok = (indices >= 0) & (indices < k_blocks)
             got[row_of[ok], indices[ok]] = True
             got = got.reshape(sparsity.batch, sparsity.heads, q_blocks, k_blocks)
+        if validate and dense is not None and (dense & got).any():
+            b, h, r, c = (int(x[0]) for x in np.nonzero(dense & got))
+            raise _tensors.fail("block_mask", f"key block {c} of row (b={b}, h={h}, query block {r}) is in both the "
+                                              f"partial and the full set")
         dense = got if dense is None else dense | got
     return dense
+
+
+def _expect_ascending(above_previous, checked, what):
+    """A row's entries ascending and unique: every checked entry above the one before it."""
+    import numpy as np
+
+    bad = np.argwhere(checked & ~above_previous)
+    if len(bad):
+        at = tuple(int(x) for x in bad[0][:-1]) + (int(bad[0][-1]) + 1,)
+        raise _tensors.fail("block_mask", f"{what}: the entry at {at} is not above the one before it (a row's "
+                                          f"entries ascend, each block once)")
 
 
 def _expect_entries(values, low, high, what, bound):

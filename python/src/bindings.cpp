@@ -165,10 +165,9 @@ bsattn::DType reinterpreted(const std::string& type, const nb::dlpack::dtype& t,
 bsattn::Stream to_stream(std::uintptr_t stream) { return reinterpret_cast<bsattn::Stream>(stream); }
 
 // A zero-size tensor is still an argument that was given (an empty BSR, an empty varlen batch),
-// but producers may hand it over with a null pointer. Nothing is read through it.
+// but producers may hand it over with a null pointer (TensorView::empty_address()).
 void set_data(bsattn::TensorView& t, const void* data) {
-  static char empty_tensor_address;
-  t.data = data == nullptr && t.numel() == 0 ? &empty_tensor_address : const_cast<void*>(data);
+  t.data = data == nullptr && t.numel() == 0 ? bsattn::TensorView::empty_address() : const_cast<void*>(data);
 }
 
 // Everything one call reads or writes. The arrays keep their producers alive while the GIL is

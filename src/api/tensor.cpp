@@ -53,9 +53,15 @@ TensorView make(const void* data, DType dtype, std::initializer_list<std::int64_
   t.rank = static_cast<int>(shape.size());
   int i = 0;
   for (std::int64_t s : shape) t.shape[i++] = s;
+  if (!t.data && t.rank > 0 && t.numel() == 0) t.data = TensorView::empty_address();
   return t;
 }
 }  // namespace
+
+void* TensorView::empty_address() {
+  alignas(256) static char address;  // aligned as any tensor must be
+  return &address;
+}
 
 TensorView TensorView::contiguous(const void* data, DType dtype, std::initializer_list<std::int64_t> shape,
                                   Device device, int device_index) {

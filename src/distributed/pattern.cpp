@@ -24,25 +24,56 @@ void add_bitmask(const BlockSet& set, bool full, const Problem& local, PatternBi
   expect_shape(set.bits, name.c_str(), {p.Bs, p.Hs, p.rows, p.words}, DType::u32, local, true);
   std::vector<unsigned char> keep;
   const TensorView w = scratch.to_host(set.bits, keep);
+  // Bits past the last key block name blocks that do not exist: ignored (SPEC §3.4).
+  const std::uint32_t last_word = p.key_blocks % 32 != 0 ? (1u << (p.key_blocks % 32)) - 1u : ~0u;
   std::size_t i = 0;
-  for (std::int64_t bs = 0; bs < p.Bs; ++bs)
+  for (std::int64_t bs = 0, row = 0; bs < p.Bs; ++bs)
     for (std::int64_t hs = 0; hs < p.Hs; ++hs)
-      for (std::int64_t r = 0; r < p.rows; ++r)
-        for (std::int64_t j = 0; j < p.words; ++j, ++i)
-          p.bits[i] |= static_cast<const std::uint32_t*>(
-              w.data)[bs * w.stride[0] + hs * w.stride[1] + r * w.stride[2] + j * w.stride[3]];
-  if (p.key_blocks % 32 != 0)  // bits past the last key block would name blocks that do not exist
-    for (std::size_t row = 0; row < p.bits.size() / static_cast<std::size_t>(p.words); ++row)
-      p.bits[(row + 1) * p.words - 1] &= (1u << (p.key_blocks % 32)) - 1u;
+      for (std::int64_t r = 0; r < p.rows; ++r, ++row)
+        for (std::int64_t j = 0; j < p.words; ++j, ++i) {
+          const std::uint32_t bits =
+              static_cast<const std::uint32_t*>(w.data)[bs * w.stride[0] + hs * w.stride[1] + r * w.stride[2] +
+                                                        j * w.stride[3]] &
+              (j + 1 == p.words ? last_word : ~0u);
+          if (full && (bits & p.bits[i]))
+            throw Error(name, "key block " + std::to_string(j * 32 + __builtin_ctz(bits & p.bits[i])) +
+                                  " of pattern row " + std::to_string(row) + " is in both the partial and the full set");
+          p.bits[i] |= bits;
+        }
 }
 
-// Sets key block `col` of pattern row `row` ([Bs, Hs, rows] flattened), checking it.
-void keep(PatternBits& p, std::int64_t row, std::int32_t col, const std::string& name) {
-  if (col < 0 || col >= p.key_blocks)
-    throw Error(name, "key block " + std::to_string(col) + " in pattern row " + std::to_string(row) +
-                          ": expected 0.." + std::to_string(p.key_blocks - 1) + " (the global key blocks)");
-  p.bits[static_cast<std::size_t>(row * p.words + col / 32)] |= 1u << (col % 32);
-}
+// A row's entries (block lists, BSR), in order: each a global key block, above the one before it
+// (SPEC §3: ascending, unique). Sets their bits in `p`; those of the full set must not be there
+// already (the partial set's are: a block cannot be in both).
+class RowEntries {
+ public:
+  RowEntries(PatternBits& p, std::int64_t row, const std::string& name, bool full)
+      : p_(p), row_(row), name_(name), full_(full) {}
+  void add(std::int32_t col) {
+    const std::string where = "pattern row " + std::to_string(row_) + " entry " + std::to_string(count_++);
+    if (col < 0 || col >= p_.key_blocks)
+      throw Error(name_, "key block " + std::to_string(col) + " in " + where + ": expected 0.." +
+                             std::to_string(p_.key_blocks - 1) + " (the global key blocks)");
+    if (previous_ >= col)
+      throw Error(name_, "key block " + std::to_string(col) + " in " + where + " is not above the previous entry " +
+                             std::to_string(previous_) + (previous_ == col ? " (duplicate)" : " (descending)"));
+    previous_ = col;
+    std::uint32_t& word = p_.bits[static_cast<std::size_t>(row_ * p_.words + col / 32)];
+    const std::uint32_t bit = 1u << (col % 32);
+    if (full_ && (word & bit))
+      throw Error(name_, "key block " + std::to_string(col) + " of pattern row " + std::to_string(row_) +
+                             " is in both the partial and the full set");
+    word |= bit;
+  }
+
+ private:
+  PatternBits& p_;
+  std::int64_t row_;
+  const std::string& name_;
+  bool full_;
+  std::int32_t previous_ = -1;
+  int count_ = 0;
+};
 
 void add_block_lists(const BlockSet& set, bool full, const Problem& local, PatternBits& p, Scratch& scratch) {
   const std::string counts_name = field(full, "counts"), indices_name = field(full, "indices");
@@ -50,6 +81,9 @@ void add_block_lists(const BlockSet& set, bool full, const Problem& local, Patte
   if (set.indices.rank != 4)
     throw Error(indices_name, "expected int32 [Bs, Hs, nQB, L] lists, got " + set.indices.shape_string());
   const std::int64_t width = set.indices.shape[3];
+  if (width > p.key_blocks)
+    throw Error(indices_name, "lists of width L = " + std::to_string(width) + ": expected L in [0, " +
+                                  std::to_string(p.key_blocks) + "] (the global key blocks)");
   expect_shape(set.indices, indices_name.c_str(), {p.Bs, p.Hs, p.rows, width}, DType::i32, local, true);
   std::vector<unsigned char> counts_copy, indices_copy;
   const TensorView counts = scratch.to_host(set.counts, counts_copy),
@@ -61,7 +95,8 @@ void add_block_lists(const BlockSet& set, bool full, const Problem& local, Patte
         if (n < 0 || n > width)
           throw Error(counts_name, "count " + std::to_string(n) + " in pattern row " + std::to_string(row) +
                                        ": expected 0.." + std::to_string(width) + " (the lists' width)");
-        for (std::int32_t i = 0; i < n; ++i) keep(p, row, at(indices, {bs, hs, r, i}), indices_name);
+        RowEntries entries(p, row, indices_name, full);
+        for (std::int32_t i = 0; i < n; ++i) entries.add(at(indices, {bs, hs, r, i}));
       }
 }
 
@@ -69,17 +104,24 @@ void add_bsr(const BlockSet& set, bool full, const Problem& local, PatternBits& 
   const std::string indptr_name = field(full, "indptr"), indices_name = field(full, "indices");
   const std::int64_t rows = p.Bs * p.Hs * p.rows;
   expect_shape(set.indptr, indptr_name.c_str(), {rows + 1}, DType::i32, local, true);
+  if (set.indices.rank != 1)
+    throw Error(indices_name, "expected int32 [nnz] indices, got " + set.indices.shape_string());
+  expect_shape(set.indices, indices_name.c_str(), {set.indices.shape[0]}, DType::i32, local, true);
   std::vector<unsigned char> indptr_copy, indices_copy;
   const TensorView indptr = scratch.to_host(set.indptr, indptr_copy);
+  const std::int64_t nnz = set.indices.shape[0];
   for (std::int64_t row = 0; row < rows; ++row)
     if (at(indptr, {0}) != 0 || at(indptr, {row + 1}) < at(indptr, {row}))
       throw Error(indptr_name, "expected non-decreasing offsets from 0, got " + std::to_string(at(indptr, {row})) +
                                    " then " + std::to_string(at(indptr, {row + 1})) + " at row " + std::to_string(row));
-  expect_shape(set.indices, indices_name.c_str(), {at(indptr, {rows})}, DType::i32, local, true);
+  if (at(indptr, {rows}) > nnz)
+    throw Error(indptr_name, "the last offset " + std::to_string(at(indptr, {rows})) + " is above nnz = " +
+                                 std::to_string(nnz) + " (the indices' length)");
   const TensorView indices = scratch.to_host(set.indices, indices_copy);
-  for (std::int64_t row = 0; row < rows; ++row)
-    for (std::int32_t i = at(indptr, {row}); i < at(indptr, {row + 1}); ++i)
-      keep(p, row, at(indices, {i}), indices_name);
+  for (std::int64_t row = 0; row < rows; ++row) {
+    RowEntries entries(p, row, indices_name, full);
+    for (std::int32_t i = at(indptr, {row}); i < at(indptr, {row + 1}); ++i) entries.add(at(indices, {i}));
+  }
 }
 
 }  // namespace

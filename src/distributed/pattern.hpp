@@ -20,8 +20,10 @@ struct PatternBits {
 };
 
 // The union of the partial set and, with local.has_full, the full set, in local.format, of
-// `rows` query blocks over `key_blocks` key blocks. Checks the tensors and their values (counts
-// within [0, L], indices within [0, key_blocks), indptr non-decreasing from 0), naming them.
+// `rows` query blocks over `key_blocks` key blocks. Checks the tensors and their values as a
+// single-process call does (SPEC §3, §8: lists no wider than key_blocks, counts within [0, L],
+// a row's entries ascending and unique within [0, key_blocks), indptr non-decreasing from 0 and
+// ending within the indices, no block in both sets), naming them pattern.<set>.<tensor>.
 PatternBits read_pattern(const Pattern& pattern, const Problem& local, std::int64_t rows, std::int64_t key_blocks,
                          Scratch& scratch);
 

@@ -4,12 +4,15 @@
 // backward's dQ, dK, dV, contiguous and zigzag
 // shards, 1, 2 and 4 ranks, causal and not, every block or random bitmasks (shared, per batch, per
 // KV head, per query head, with empty rows), GQA, batch 1 and 2, f32 and bf16. Then the bytes a
-// banded pattern moves against an all-gather, and bad shapes.
+// banded pattern moves against an all-gather, bad shapes, and random values in a rank's pattern
+// refused exactly where a single-process call refuses them.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "distributed_case.hpp"
@@ -26,9 +29,15 @@ struct PatternIn {
   bool split_full = false;
 };
 
+// Key blocks of the whole sequence (the block lists' width).
+std::int64_t key_blocks_of(const Spec& s) {
+  const std::int64_t tokens = std::int64_t(s.world) * (s.layout == dist::Layout::zigzag ? 2 : 1) * s.chunk;
+  return (tokens + s.bk - 1) / s.bk;
+}
+
 dist::Pattern pattern_in(const PatternIn& how, RankData& d, std::deque<std::vector<std::int32_t>>& keep) {
   const std::int64_t Bs = d.mask_shape[0], Hs = d.mask_shape[1], rows = d.mask_shape[2], words = d.mask_shape[3];
-  const std::int64_t key_blocks = words * 32, all_rows = Bs * Hs * rows;
+  const std::int64_t key_blocks = key_blocks_of(d.spec), all_rows = Bs * Hs * rows;
   d.problem.format = how.format;
   d.problem.has_full = how.split_full;
   dist::Pattern pattern;
@@ -266,7 +275,7 @@ TEST(Distributed, PatternsInEveryBatchedFormat) {
       std::deque<std::vector<std::int32_t>> keep;
       dist::Pattern pattern = pattern_in({bsattn::Format::block_lists, false}, d, keep);
       keep[0][1] = bad ? 1000 : 1;  // counts
-      keep[1][static_cast<std::size_t>(d.mask_shape[3]) * 32] = bad ? 0 : 99;  // row 1's first index
+      keep[1][static_cast<std::size_t>(key_blocks_of(s))] = bad ? 0 : 99;  // row 1's first index
       std::vector<float> out(std::size_t(d.local) * s.hq * s.d, 7.0f);
       try {
         dist::attention(*transport, d.problem, d.sharding,
@@ -284,6 +293,108 @@ TEST(Distributed, PatternsInEveryBatchedFormat) {
                         std::vector<float>(std::size_t(d.local) * s.hkv * s.d), {}, {}};
     });
   }
+}
+
+// Random values in a rank's pattern (one or two elements, as validation_fuzz_test mutates, on one
+// rank, whose pattern is the single-process call's): the sharded call refuses exactly what
+// bsattn::attention refuses, naming pattern.<the same argument> (one wrong value), and writes
+// nothing; otherwise it gives the same O and LSE.
+TEST(Distributed, MutatedPatternsAreRefusedAsTheSingleProcessCall) {
+  std::mt19937_64 rng(77);
+  const PatternIn formats[] = {{bsattn::Format::block_lists, false}, {bsattn::Format::block_lists, true},
+                               {bsattn::Format::bsr, false}, {bsattn::Format::bsr, true},
+                               {bsattn::Format::bitmask, true}};
+  int refused = 0, cases = 0;
+  for (int i = 0; i < 250; ++i) {
+    Spec s = grid_case(1, dist::Layout::contiguous, false, 1 + i % 3, 900 + i);
+    s.chunk = 64;  // 4 key blocks
+    const Sequence seq(s);
+    seq.sharded([&](const RankData& rank) {
+      RankData d = rank;
+      std::deque<std::vector<std::int32_t>> keep;
+      const dist::Pattern pattern = pattern_in(formats[i % 5], d, keep);
+      std::string what;
+      const int mutations = 1 + static_cast<int>(rng() % 2);
+      for (int m = mutations; m > 0; --m) {
+        std::vector<std::int32_t>& t = keep[rng() % keep.size()];
+        if (t.empty()) continue;
+        std::int32_t& x = t[rng() % t.size()];
+        const std::int32_t old = x;
+        switch (rng() % 5) {
+          case 0: x = static_cast<std::int32_t>(static_cast<std::uint32_t>(old) + (rng() % 2 ? 1u : ~0u)); break;
+          case 1: x = static_cast<std::int32_t>(rng() % 3) - 1; break;
+          case 2: x = static_cast<std::int32_t>(rng() % 2 ? 0x7fffffffu : 0x80000000u); break;
+          case 3: x = static_cast<std::int32_t>(static_cast<std::uint32_t>(old) ^ (1u << (rng() % 32))); break;
+          default: x = static_cast<std::int32_t>(rng() % 40) - 4; break;
+        }
+        what += std::to_string(old) + " -> " + std::to_string(x) + "; ";
+      }
+      SCOPED_TRACE("case " + std::to_string(i) + ", format " + std::to_string(int(d.problem.format)) + ": " + what);
+      const std::int64_t n = std::int64_t(s.batch) * d.local;
+      const auto view = [&](std::vector<float>& data, int heads) {
+        return TensorView::contiguous(data.data(), DType::f32, {s.batch, d.local, heads, s.d});
+      };
+      std::vector<float> q = d.q.values, k = d.k.values, v = d.v.values;
+      std::vector<float> out(std::size_t(n) * s.hq * s.d, 7.0f), lse(std::size_t(n) * s.hq, 7.0f);
+      std::vector<float> want_out(out.size()), want_lse(lse.size());
+      std::string single_refusal, sharded_refusal;
+      bsattn::Inputs in;
+      in.q = view(q, s.hq);
+      in.k = view(k, s.hkv);
+      in.v = view(v, s.hkv);
+      in.partial = pattern.partial;
+      in.full = pattern.full;
+      bsattn::Outputs o;
+      o.out = view(want_out, s.hq);
+      o.lse = TensorView::contiguous(want_lse.data(), DType::f32, {s.batch, s.hq, d.local});
+      try {
+        bsattn::attention(d.problem, in, o);
+      } catch (const bsattn::Error& e) {
+        single_refusal = e.argument();
+        what += std::string("single: ") + e.what();
+      }
+      dist::LocalGroup group(1);
+      auto transport = group.transport(0);
+      try {
+        dist::attention(*transport, d.problem, d.sharding, in.q, in.k, in.v, pattern, view(out, s.hq),
+                        TensorView::contiguous(lse.data(), DType::f32, {s.batch, s.hq, d.local}));
+      } catch (const bsattn::Error& e) {
+        sharded_refusal = e.argument();
+        what += std::string(" sharded: ") + e.what();
+      }
+      ++cases;
+      SCOPED_TRACE(what);
+      if (!single_refusal.empty()) {
+        ++refused;
+        // With two wrong values the calls may check them in another order.
+        if (mutations == 1) {
+          EXPECT_EQ(sharded_refusal, "pattern." + single_refusal);
+        } else {
+          EXPECT_EQ(sharded_refusal.rfind("pattern.", 0), 0u) << "accepted, or refused naming " << sharded_refusal;
+        }
+        EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 7.0f; })) << "O written";
+        EXPECT_TRUE(std::all_of(lse.begin(), lse.end(), [](float x) { return x == 7.0f; })) << "LSE written";
+      } else {
+        EXPECT_EQ(sharded_refusal, "") << "refused what the single-process call accepts";
+        for (std::size_t j = 0; sharded_refusal.empty() && j < lse.size(); ++j)
+          if (!(std::abs(lse[j] - want_lse[j]) <= 2e-5f * (1 + std::abs(want_lse[j])) || lse[j] == want_lse[j])) {
+            ADD_FAILURE() << "LSE[" << j << "] " << lse[j] << " against " << want_lse[j];
+            break;
+          }
+        for (std::size_t j = 0; sharded_refusal.empty() && j < out.size(); ++j)
+          if (!(std::abs(out[j] - want_out[j]) <= 2e-5f * (1 + std::abs(want_out[j])))) {
+            ADD_FAILURE() << "O[" << j << "] " << out[j] << " against " << want_out[j];
+            break;
+          }
+      }
+      const std::size_t kv = std::size_t(n) * s.hkv * s.d;
+      return RankResult{out, lse, std::vector<float>(out.size()), std::vector<float>(kv), std::vector<float>(kv), {}, {}};
+    });
+    if (HasFailure()) return;
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_LT(refused, cases);
+  RecordProperty("refused", refused);
 }
 
 TEST(Distributed, BadShardsNameTheArgument) {

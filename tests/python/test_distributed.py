@@ -291,6 +291,27 @@ def test_bad_shards_are_named():
         assert e.value.argument == "block_mask" and what in str(e.value), str(e.value)
     lists = bsattn.BlockLists(np.array([[[1, 1]]], np.int32), np.array([[[[0, 0], [5, 0]]]], np.int32), block_size=(64, 64))
     bd.attention(x, x, x, lists, block_size=64, group=group, validate=False)
+    # What a single-process call refuses too: entries not ascending, lists wider than the key
+    # blocks, BSR offsets past the indices, a block in both sets.
+    refused = [
+        (bsattn.BlockLists(np.array([[[2, 1]]], np.int32), np.array([[[[1, 0], [0, 0]]]], np.int32),
+                           block_size=(64, 64)), "is not above the one before it"),
+        (bsattn.BlockLists(np.array([[[2, 2]]], np.int32), np.array([[[[0, 0], [1, 1]]]], np.int32),
+                           block_size=(64, 64)), "is not above the one before it"),
+        (bsattn.BlockLists(np.array([[[1, 1]]], np.int32), np.array([[[[0, 0, 0], [1, 0, 0]]]], np.int32),
+                           block_size=(64, 64)), "block lists of width 3"),
+        (bsattn.BSR(np.array([0, 1, 3], np.int32), np.array([0, 1], np.int32), batch=1, heads=1, block_size=(64, 64)),
+         "expected 0 to at most 2"),
+        (bsattn.BSR(np.array([0, 2, 3], np.int32), np.array([1, 0, 1], np.int32), batch=1, heads=1,
+                    block_size=(64, 64)), "is not above the one before it"),
+        (bsattn.BlockLists(np.array([[[1, 1]]], np.int32), np.array([[[[0, 0], [1, 0]]]], np.int32),
+                           full_counts=np.array([[[1, 0]]], np.int32), full_indices=np.array([[[[0, 0], [0, 0]]]], np.int32),
+                           block_size=(64, 64)), "in both the partial and the full set"),
+    ]
+    for pattern, what in refused:
+        with pytest.raises(bsattn.BsattnError) as e:
+            bd.attention(x, x, x, pattern, block_size=64, group=group)
+        assert e.value.argument == "block_mask" and what in str(e.value), str(e.value)
 
 
 def gloo_worker(rank, world, port, case, results):
