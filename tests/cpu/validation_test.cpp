@@ -250,6 +250,20 @@ TEST(Validation, MissingRequiredTensor) {
   expect_rejected(c, "full.counts", "is required by this problem");
 }
 
+TEST(Validation, EmptySetWithANullPointerIsGiven) {
+  // A BSR full set with no entries, its indices an empty vector's data() (null): given, as the
+  // factories point zero-element views at an aligned placeholder; the partial set is attended.
+  Case c(with(Format::bsr, QLayout::batched, KVLayout::contiguous));
+  const std::int64_t rows = c.in.full.indptr.shape[0];
+  std::vector<std::int32_t> zeros(static_cast<std::size_t>(rows), 0), none;
+  c.in.full.indptr = TensorView::contiguous(zeros.data(), DType::i32, {rows});
+  c.in.full.indices = TensorView::contiguous(none.data(), DType::i32, {0});
+  ASSERT_TRUE(c.in.full.indices.defined());
+  c.poison();
+  EXPECT_NO_THROW(attention(c.p, c.in, c.out));
+  EXPECT_EQ(c.poisoned(), 0);
+}
+
 TEST(Validation, MissingOutput) {
   Case c(lists());
   Outputs none;
