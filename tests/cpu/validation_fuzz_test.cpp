@@ -32,58 +32,6 @@ int env_int(const char* name, int fallback) {
   return v ? std::atoi(v) : fallback;
 }
 
-// An integer metadata tensor of the case, by its argument name.
-struct Target {
-  std::string name;
-  TensorView* view;
-};
-
-std::vector<Target> integer_tensors(Case& c) {
-  std::vector<Target> t;
-  for (auto& [name, view] : c.fields())
-    if (view->data && (view->dtype == DType::i32 || view->dtype == DType::u32) && name.rfind("outputs.", 0) != 0)
-      t.push_back({name, view});
-  return t;
-}
-
-// Overwrites one random element of a random integer tensor; returns what it did.
-std::string mutate(Case& c, std::mt19937_64& rng) {
-  const std::vector<Target> targets = integer_tensors(c);
-  const Target& t = targets[rng() % targets.size()];
-  std::int64_t offset = 0;
-  std::ostringstream what;
-  what << t.name << "[";
-  for (int d = 0; d < t.view->rank; ++d) {
-    const std::int64_t i = t.view->shape[d] > 0 ? static_cast<std::int64_t>(rng() % t.view->shape[d]) : 0;
-    offset += i * t.view->stride[d];
-    what << (d ? ", " : "") << i;
-  }
-  auto* element = static_cast<std::int32_t*>(t.view->data) + offset;
-  const std::int32_t old = *element;
-  std::int32_t value = old;
-  // old + delta, wrapping (a previous mutation may have left an int32 extreme there).
-  const auto step = [&](std::int32_t delta) {
-    return static_cast<std::int32_t>(static_cast<std::uint32_t>(old) + static_cast<std::uint32_t>(delta));
-  };
-  if (t.view->dtype == DType::u32) {
-    const unsigned r = rng() % 8;
-    value = r == 0 ? 0 : r == 1 ? -1 : static_cast<std::int32_t>(static_cast<std::uint32_t>(old) ^ (1u << (rng() % 32)));
-  } else {
-    switch (rng() % 8) {
-      case 0: value = step(rng() % 2 ? 1 : -1); break;
-      case 1: value = step(rng() % 2 ? 2 : -2); break;
-      case 2: value = static_cast<std::int32_t>(rng() % 3) - 1; break;  // -1, 0, 1
-      case 3: value = std::numeric_limits<std::int32_t>::max(); break;
-      case 4: value = std::numeric_limits<std::int32_t>::min(); break;
-      case 5: value = step(rng() % 2 ? 16 : -16); break;  // a block of tokens
-      default: value = static_cast<std::int32_t>(rng() % 80) - 4; break;
-    }
-  }
-  *element = value;
-  what << "] " << old << " -> " << value;
-  return what.str();
-}
-
 // O and LSE of an accepted call against the oracle on the same tensors (f32 inputs, D = 8).
 void expect_oracle(const Case& c) {
   const bsattn_test::Oracle oracle(c.p, c.in);

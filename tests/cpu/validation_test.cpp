@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bsattn/bsattn.hpp"
+#include "bsattn/cpu/numeric.hpp"
 #include "validation_case.hpp"
 #if BSATTN_WITH_CUDA
 #include <cuda_runtime.h>
@@ -22,8 +23,6 @@ namespace {
 using namespace bsattn;
 using namespace validation_case;
 
-
-// The call must throw an Error naming `argument` with `text` in its message, and write nothing.
 // The call must throw an Error naming `argument` with `text` in its message.
 void expect_error(const Case& c, const std::string& argument, const std::string& text) {
   try {
@@ -716,6 +715,80 @@ TEST(GpuValidation, EveryValueRuleOnDeviceMetadata) {
     }
     EXPECT_EQ(c.poisoned(), c.output_elements());
   }
+}
+
+// Random metadata values (validation_fuzz_test.cpp's mutations) on the GPU bases: the device value
+// checks refuse exactly what the CPU engine refuses, naming the same argument, and write nothing;
+// what both accept gives the CPU engine's O and LSE (bf16 inputs, f32 accumulation on both).
+TEST(GpuValidation, RandomMetadataAsTheCpuEngine) {
+  if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
+  std::mt19937_64 rng(2026);
+  int refused = 0, cases = 0;
+  for (const BaseParam& b : base_params()) {
+    Options o = with(b.format, b.q, b.kv);
+    o.features = b.features;
+    SCOPED_TRACE(base_name(::testing::TestParamInfo<BaseParam>(b, 0)));
+    for (int i = 0; i < 12; ++i) {
+      Case c(on_gpu(o));
+      if (integer_tensors(c).empty()) break;
+      std::string what;
+      for (int m = 1 + static_cast<int>(rng() % 3); m > 0; --m) what += mutate(c, rng) + "; ";
+      SCOPED_TRACE("mutation " + std::to_string(i) + ": " + what);
+      ++cases;
+      std::string cpu_refusal, gpu_refusal;
+      c.poison();
+      try {
+        attention(c.p, c.in, c.out);
+      } catch (const Error& e) {
+        cpu_refusal = e.argument();
+      }
+      const auto words = [](const TensorView& t) {
+        const auto* w = static_cast<const std::uint32_t*>(t.data);
+        return std::vector<std::uint32_t>(w, w + Case::words(t));
+      };
+      const std::vector<std::uint32_t> cpu_out = words(c.out.out), cpu_lse = words(c.out.lse);
+      c.poison();
+      {
+        OnDevice device(c);
+        try {
+          attention(c.p, c.in, c.out);
+        } catch (const Error& e) {
+          gpu_refusal = e.argument();
+        }
+      }
+      EXPECT_EQ(gpu_refusal, cpu_refusal);
+      if (!cpu_refusal.empty() || !gpu_refusal.empty()) {
+        ++refused;
+        if (!gpu_refusal.empty()) EXPECT_EQ(c.poisoned(), c.output_elements()) << "refused, but written";
+        continue;
+      }
+      ASSERT_EQ(c.poisoned(), 0);
+      // O in bf16 (two per word), LSE in f32: within bf16's rounding of O and 1e-3 of the LSE.
+      const auto bf16 = [](std::uint32_t w, int half) { return cpu::bf16_to_float(static_cast<std::uint16_t>(w >> (16 * half))); };
+      const std::vector<std::uint32_t> gpu_out = words(c.out.out), gpu_lse = words(c.out.lse);
+      for (std::size_t j = 0; j < cpu_out.size(); ++j)
+        for (int half = 0; half < 2; ++half) {
+          const float want = bf16(cpu_out[j], half), got = bf16(gpu_out[j], half);
+          if (!(std::abs(got - want) <= 1e-2f + 1e-2f * std::abs(want))) {
+            ADD_FAILURE() << "O word " << j << ": " << got << " against the CPU engine's " << want;
+            j = cpu_out.size();
+            break;
+          }
+        }
+      for (std::size_t j = 0; j < cpu_lse.size(); ++j) {
+        float want, got;
+        std::memcpy(&want, &cpu_lse[j], 4);
+        std::memcpy(&got, &gpu_lse[j], 4);
+        if (!(got == want || std::abs(got - want) <= 1e-3f * (1 + std::abs(want)))) {
+          ADD_FAILURE() << "LSE " << j << ": " << got << " against the CPU engine's " << want;
+          break;
+        }
+      }
+      if (HasFailure()) return;
+    }
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_LT(refused, cases);
 }
 
 TEST(GpuValidation, HostMetadataOnAGpuProblem) {
