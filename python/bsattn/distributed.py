@@ -193,8 +193,9 @@ def _dense_pattern(sparsity, q_blocks, k_blocks, validate):
             if validate and indptr[-1] > 1:
                 same_row = row_of[1:] == row_of[:-1]
                 _expect_ascending(indices[1:indptr[-1]] > indices[:indptr[-1] - 1], same_row, "BSR indices")
-            ok = (indices >= 0) & (indices < k_blocks)
-            got[row_of[ok], indices[ok]] = True
+            used = indices[:indptr[-1]]  # the offsets may end before the indices do
+            ok = (used >= 0) & (used < k_blocks)
+            got[row_of[ok], used[ok]] = True
             got = got.reshape(sparsity.batch, sparsity.heads, q_blocks, k_blocks)
         if validate and dense is not None and (dense & got).any():
             b, h, r, c = (int(x[0]) for x in np.nonzero(dense & got))

@@ -314,6 +314,70 @@ def test_bad_shards_are_named():
         assert e.value.argument == "block_mask" and what in str(e.value), str(e.value)
 
 
+def _lists(blocks):
+    """Block lists [1, H, nQB] / [1, H, nQB, nKB] of a boolean [1, H, nQB, nKB] mask (-7 past a row's count)."""
+    counts = blocks.sum(-1).astype(np.int32)
+    indices = np.full(blocks.shape, -7, np.int32)
+    for b, h, r in np.ndindex(*blocks.shape[:3]):
+        cols = np.flatnonzero(blocks[b, h, r])
+        indices[b, h, r, :len(cols)] = cols
+    return [counts, indices]
+
+
+def _bsr(blocks):
+    rows = blocks.reshape(-1, blocks.shape[-1])
+    indptr = np.concatenate([[0], np.cumsum(rows.sum(-1))]).astype(np.int32)
+    return [indptr, np.concatenate([np.flatnonzero(r) for r in rows]).astype(np.int32)]
+
+
+def test_mutated_patterns_are_refused_as_the_single_process_call():
+    """Random values in a one-rank pattern (block lists or BSR, with or without a full set): the
+    sharded call refuses, naming block_mask, exactly what bsattn.attention refuses, and otherwise
+    gives its O and LSE."""
+    rng = np.random.default_rng(7)
+    group = PipeGroup(0, 1, {})
+    seq, block, heads, dim = 128, 32, 2, 16
+    nb = seq // block
+    q, k, v = (rng.standard_normal((1, seq, heads, dim), dtype=np.float32) for _ in range(3))
+    refused = 0
+    for case in range(120):
+        blocks = rng.random((1, heads, nb, nb)) < 0.5
+        full = blocks & (rng.random(blocks.shape) < 0.5) if case % 2 else None
+        partial = blocks & ~full if full is not None else blocks
+        bsr = case % 4 >= 2
+        arrays = (_bsr if bsr else _lists)(partial) + ((_bsr if bsr else _lists)(full) if full is not None else [])
+        target = arrays[rng.integers(len(arrays))]
+        if target.size:
+            flat = target.reshape(-1)
+            at = rng.integers(flat.size)
+            flat[at] = rng.choice([flat[at] + 1, flat[at] - 1, -1, 0, nb, nb - 1, 2**31 - 1, rng.integers(-2, 6)])
+        size = (block, block)
+        if bsr:
+            pattern = bsattn.BSR(*arrays[:2], batch=1, heads=heads, block_size=size,
+                                 **(dict(full_indptr=arrays[2], full_indices=arrays[3]) if full is not None else {}))
+        else:
+            pattern = bsattn.BlockLists(*arrays[:2], block_size=size,
+                                        **(dict(full_counts=arrays[2], full_indices=arrays[3]) if full is not None else {}))
+        single = sharded = None
+        try:
+            single = bsattn.attention(q, k, v, pattern, return_lse=True)
+        except bsattn.BsattnError as e:
+            single = e
+        try:
+            sharded = bd.attention(q, k, v, pattern, block_size=block, group=group, return_lse=True)
+        except bsattn.BsattnError as e:
+            sharded = e
+        what = f"case {case}: single {single if isinstance(single, Exception) else 'accepted'}, sharded {sharded}"
+        if isinstance(single, Exception):
+            refused += 1
+            assert isinstance(sharded, bsattn.BsattnError) and sharded.argument == "block_mask", what
+        else:
+            assert not isinstance(sharded, Exception), what
+            np.testing.assert_allclose(np.asarray(sharded[0]), np.asarray(single[0]), rtol=2e-5, atol=2e-5, err_msg=what)
+            np.testing.assert_allclose(np.asarray(sharded[1]), np.asarray(single[1]), rtol=2e-5, atol=2e-5, err_msg=what)
+    assert 0 < refused < 120
+
+
 def gloo_worker(rank, world, port, case, results):
     def body():
         import torch
