@@ -1,5 +1,6 @@
 #include "distributed/pattern.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "distributed/checks.hpp"
@@ -27,50 +28,38 @@ void add_bitmask(const BlockSet& set, bool full, const Problem& local, PatternBi
   // Bits past the last key block name blocks that do not exist: ignored (SPEC §3.4).
   const std::uint32_t last_word = p.key_blocks % 32 != 0 ? (1u << (p.key_blocks % 32)) - 1u : ~0u;
   std::size_t i = 0;
-  for (std::int64_t bs = 0, row = 0; bs < p.Bs; ++bs)
+  for (std::int64_t bs = 0; bs < p.Bs; ++bs)
     for (std::int64_t hs = 0; hs < p.Hs; ++hs)
-      for (std::int64_t r = 0; r < p.rows; ++r, ++row)
-        for (std::int64_t j = 0; j < p.words; ++j, ++i) {
-          const std::uint32_t bits =
-              static_cast<const std::uint32_t*>(w.data)[bs * w.stride[0] + hs * w.stride[1] + r * w.stride[2] +
-                                                        j * w.stride[3]] &
-              (j + 1 == p.words ? last_word : ~0u);
-          if (full && (bits & p.bits[i]))
-            throw Error(name, "key block " + std::to_string(j * 32 + __builtin_ctz(bits & p.bits[i])) +
-                                  " of pattern row " + std::to_string(row) + " is in both the partial and the full set");
-          p.bits[i] |= bits;
-        }
+      for (std::int64_t r = 0; r < p.rows; ++r)
+        for (std::int64_t j = 0; j < p.words; ++j, ++i)
+          p.bits[i] |= static_cast<const std::uint32_t*>(
+                           w.data)[bs * w.stride[0] + hs * w.stride[1] + r * w.stride[2] + j * w.stride[3]] &
+                       (j + 1 == p.words ? last_word : ~0u);
 }
 
 // A row's entries (block lists, BSR), in order: each a global key block, above the one before it
-// (SPEC §3: ascending, unique). Sets their bits in `p`; those of the full set must not be there
-// already (the partial set's are: a block cannot be in both).
+// (SPEC §3: ascending, unique). Sets their bits in `p`.
 class RowEntries {
  public:
-  RowEntries(PatternBits& p, std::int64_t row, const std::string& name, bool full)
-      : p_(p), row_(row), name_(name), full_(full) {}
+  RowEntries(PatternBits& p, std::int64_t row, const std::string& name) : p_(p), row_(row), name_(name) {}
   void add(std::int32_t col) {
-    const std::string where = "pattern row " + std::to_string(row_) + " entry " + std::to_string(count_++);
     if (col < 0 || col >= p_.key_blocks)
-      throw Error(name_, "key block " + std::to_string(col) + " in " + where + ": expected 0.." +
+      throw Error(name_, "key block " + std::to_string(col) + " in " + where() + ": expected 0.." +
                              std::to_string(p_.key_blocks - 1) + " (the global key blocks)");
     if (previous_ >= col)
-      throw Error(name_, "key block " + std::to_string(col) + " in " + where + " is not above the previous entry " +
+      throw Error(name_, "key block " + std::to_string(col) + " in " + where() + " is not above the previous entry " +
                              std::to_string(previous_) + (previous_ == col ? " (duplicate)" : " (descending)"));
     previous_ = col;
-    std::uint32_t& word = p_.bits[static_cast<std::size_t>(row_ * p_.words + col / 32)];
-    const std::uint32_t bit = 1u << (col % 32);
-    if (full_ && (word & bit))
-      throw Error(name_, "key block " + std::to_string(col) + " of pattern row " + std::to_string(row_) +
-                             " is in both the partial and the full set");
-    word |= bit;
+    ++count_;
+    p_.bits[static_cast<std::size_t>(row_ * p_.words + col / 32)] |= 1u << (col % 32);
   }
 
  private:
+  std::string where() const { return "pattern row " + std::to_string(row_) + " entry " + std::to_string(count_); }
+
   PatternBits& p_;
   std::int64_t row_;
   const std::string& name_;
-  bool full_;
   std::int32_t previous_ = -1;
   int count_ = 0;
 };
@@ -95,7 +84,7 @@ void add_block_lists(const BlockSet& set, bool full, const Problem& local, Patte
         if (n < 0 || n > width)
           throw Error(counts_name, "count " + std::to_string(n) + " in pattern row " + std::to_string(row) +
                                        ": expected 0.." + std::to_string(width) + " (the lists' width)");
-        RowEntries entries(p, row, indices_name, full);
+        RowEntries entries(p, row, indices_name);
         for (std::int32_t i = 0; i < n; ++i) entries.add(at(indices, {bs, hs, r, i}));
       }
 }
@@ -119,7 +108,7 @@ void add_bsr(const BlockSet& set, bool full, const Problem& local, PatternBits& 
                                  std::to_string(nnz) + " (the indices' length)");
   const TensorView indices = scratch.to_host(set.indices, indices_copy);
   for (std::int64_t row = 0; row < rows; ++row) {
-    RowEntries entries(p, row, indices_name, full);
+    RowEntries entries(p, row, indices_name);
     for (std::int32_t i = at(indptr, {row}); i < at(indptr, {row + 1}); ++i) entries.add(at(indices, {i}));
   }
 }
@@ -132,15 +121,25 @@ PatternBits read_pattern(const Pattern& pattern, const Problem& local, std::int6
   p.Bs = local.sparsity_batch, p.Hs = local.sparsity_heads, p.rows = rows, p.key_blocks = key_blocks;
   p.words = (key_blocks + 31) / 32;
   p.bits.assign(static_cast<std::size_t>(p.Bs * p.Hs * rows * p.words), 0u);
-  for (const bool full : {false, true}) {
-    if (full && !local.has_full) break;
-    const BlockSet& set = full ? pattern.full : pattern.partial;
+  const auto read = [&](const BlockSet& set, bool full, PatternBits& into) {
     switch (local.format) {
-      case Format::bitmask: add_bitmask(set, full, local, p, scratch); break;
-      case Format::block_lists: add_block_lists(set, full, local, p, scratch); break;
-      case Format::bsr: add_bsr(set, full, local, p, scratch); break;
+      case Format::bitmask: add_bitmask(set, full, local, into, scratch); break;
+      case Format::block_lists: add_block_lists(set, full, local, into, scratch); break;
+      case Format::bsr: add_bsr(set, full, local, into, scratch); break;
       default: throw Error("problem.format", "all_blocks, block_lists, bsr or bitmask");
     }
+  };
+  read(pattern.partial, false, p);
+  if (!local.has_full) return p;
+  PatternBits full = p;
+  std::fill(full.bits.begin(), full.bits.end(), 0u);
+  read(pattern.full, true, full);
+  for (std::size_t i = 0; i < p.bits.size(); ++i) {
+    if (const std::uint32_t both = p.bits[i] & full.bits[i])
+      throw Error(field(true, local.format == Format::bitmask ? "bits" : "indices"),
+                  "key block " + std::to_string((i % p.words) * 32 + __builtin_ctz(both)) + " of pattern row " +
+                      std::to_string(i / p.words) + " is in both the partial and the full set");
+    p.bits[i] |= full.bits[i];
   }
   return p;
 }
