@@ -460,4 +460,11 @@ inline std::string mutate(Case& c, std::mt19937_64& rng) {
   return what.str();
 }
 
+// One to three mutations of c; what they did.
+inline std::string mutate_some(Case& c, std::mt19937_64& rng) {
+  std::string what;
+  for (int m = 1 + static_cast<int>(rng() % 3); m > 0; --m) what += mutate(c, rng) + "; ";
+  return what;
+}
+
 }  // namespace validation_case

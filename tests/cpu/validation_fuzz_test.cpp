@@ -74,12 +74,6 @@ class MutatedMetadata : public ::testing::TestWithParam<BaseParam> {
     for (const Target& t : integer_tensors(probe))
       constrained = constrained || (t.name != "doc_q" && t.name != "doc_kv" && t.name != "kv_valid");
   }
-  // One to three mutations of c; their description.
-  std::string mutate_some(Case& c) {
-    std::string what;
-    for (int m = 1 + static_cast<int>(rng() % 3); m > 0; --m) what += mutate(c, rng) + "; ";
-    return what;
-  }
   void expect_both_outcomes(int refused) const {
     if (cases < 50) return;
     if (constrained) {
@@ -98,7 +92,7 @@ TEST_P(MutatedMetadata, IsRefusedWithNothingWrittenOrAttendsAsTheOracle) {
   int refused = 0;
   for (int i = 0; i < cases; ++i) {
     Case c(options);
-    SCOPED_TRACE("mutation " + std::to_string(i) + ": " + mutate_some(c));
+    SCOPED_TRACE("mutation " + std::to_string(i) + ": " + mutate_some(c, rng));
     c.poison();
     try {
       attention(c.p, c.in, c.out);
@@ -178,7 +172,7 @@ TEST_P(MutatedMetadataBackward, IsRefusedAsTheForwardOrDifferentiatesAsTheOracle
     c.p.proxy = Proxy::off;  // no backward of proxy routes: the base's other features stay
     c.in.proxy = {};
     c.in.k_summary = c.in.v_summary = {};
-    SCOPED_TRACE("mutation " + std::to_string(i) + ": " + mutate_some(c));
+    SCOPED_TRACE("mutation " + std::to_string(i) + ": " + mutate_some(c, rng));
     BackwardTensors t(c);
     t.poison();
     const BackwardInputs backward{c.out.out, c.out.lse, t.dout_view, {}};
