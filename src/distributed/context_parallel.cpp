@@ -390,11 +390,17 @@ Stats run_forward(const ShardedPlan::Impl& plan, Transport& transport, const Ten
     o.lse = sh.view(part_lse[qi] + part * lse_elems, DType::f32, {B, Hq, size});
     plan.pair_plan(false, sh.mine[qi], kc).run(sh.pair_inputs(qi, part, kk, vv), o, stream);
   });
+  // merge_states writes O in its parts' dtype: an f16 / bf16 O is merged into fp32 rows first and
+  // rounded once into the caller's.
+  float* merged = out.dtype == DType::f32 ? nullptr : scratch.floats(out_elems);
   for (std::size_t qi = 0; qi < sh.mine.size(); ++qi) {
     const std::int64_t n = std::max<std::int64_t>(static_cast<std::int64_t>(sh.keys[qi].size()), 1);
+    const TensorView rows = sh.rows(out, sh.mine[qi]);
     merge_states(sh.view(part_out[qi], DType::f32, {n, B, size, Hq, D}),
-                 sh.view(part_lse[qi], DType::f32, {n, B, Hq, size}), sh.rows(out, sh.mine[qi]),
-                 sh.lse_rows(lse, sh.mine[qi]), stream);
+                 sh.view(part_lse[qi], DType::f32, {n, B, Hq, size}),
+                 merged ? sh.view(merged, DType::f32, {B, size, Hq, D}) : rows, sh.lse_rows(lse, sh.mine[qi]),
+                 stream);
+    if (merged) scratch.store(merged, rows);
   }
   return stats;
 }

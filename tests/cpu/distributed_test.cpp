@@ -93,16 +93,23 @@ RankResult run_on_host(dist::Transport& transport, RankData d, dist::ShardedPlan
   const TensorView v = TensorView::contiguous(d.v.ptr(s.dtype), s.dtype, {s.batch, local, s.hkv, s.d});
   std::deque<std::vector<std::int32_t>> pattern_tensors;  // references stay valid as it grows
   const dist::Pattern mask = s.sparse ? pattern_in(how, d, pattern_tensors) : dist::Pattern{};
-  const TensorView out = TensorView::contiguous(r.out.data(), DType::f32, {s.batch, local, s.hq, s.d});
+  // O in the problem's out_dtype: f32, or bf16 (poisoned, read back as floats).
+  const bool out_half = d.problem.out_dtype == DType::bf16;
+  std::vector<std::uint16_t> out_bf16(out_half ? r.out.size() : 0, 0xffffu);
+  const TensorView out =
+      TensorView::contiguous(out_half ? static_cast<void*>(out_bf16.data()) : r.out.data(), d.problem.out_dtype,
+                             {s.batch, local, s.hq, s.d});
   const TensorView lse = TensorView::contiguous(r.lse.data(), DType::f32, {s.batch, s.hq, local});
   r.stats = plan ? plan->run(transport, q, k, v, mask, out, lse)
                  : dist::attention(transport, d.problem, d.sharding, q, k, v, mask, out, lse);
+  for (std::size_t i = 0; i < out_bf16.size(); ++i) r.out[i] = bsattn::cpu::bf16_to_float(out_bf16[i]);
   r.dq.assign(r.out.size(), NAN);
   r.dk.assign(std::size_t(s.batch) * local * s.hkv * s.d, NAN);
   r.dv.assign(r.dk.size(), NAN);
   std::vector<std::uint16_t> dq_half(r.dq.size(), 0xffffu);
   const bool dq_half_wanted = s.dtype == DType::bf16;
-  const TensorView dout = TensorView::contiguous(d.dout.values.data(), DType::f32, {s.batch, local, s.hq, s.d});
+  const TensorView dout =
+      TensorView::contiguous(d.dout.ptr(d.problem.out_dtype), d.problem.out_dtype, {s.batch, local, s.hq, s.d});
   const TensorView dq = TensorView::contiguous(dq_half_wanted ? static_cast<void*>(dq_half.data()) : r.dq.data(),
                                                s.dtype, {s.batch, local, s.hq, s.d});
   const TensorView dk = TensorView::contiguous(r.dk.data(), DType::f32, {s.batch, local, s.hkv, s.d});
@@ -143,6 +150,26 @@ TEST(Distributed, ShardedEqualsSingleProcess) {
         }
   EXPECT_EQ(cases, 48);
   EXPECT_GT(with_empty_rows, 0) << "no case had an empty row";
+}
+
+// O in the inputs' dtype (bf16), as a GPU rank writes it: the fp32 parts are merged, then rounded
+// once; the backward reads that O.
+TEST(Distributed, OutputInTheInputsDtype) {
+  std::uint64_t seed = 700;
+  for (const int world : {1, 2, 4})
+    for (const bool causal : {false, true}) {
+      Spec s = grid_case(world, world == 2 ? dist::Layout::zigzag : dist::Layout::contiguous, causal, 3, seed++);
+      s.dtype = DType::bf16;
+      const Sequence seq(s);
+      dist::LocalGroup group(world);
+      const Result got = seq.sharded([&](RankData d) {
+        d.problem.out_dtype = DType::bf16;
+        return run_on_host(*group.transport(d.rank), d);
+      });
+      const Result want = seq.reference();
+      expect_same(got, want, 8e-3f, describe(s) + ", O in bf16");
+      expect_same_gradients(got, want, 2e-2f, 8e-3f, describe(s) + ", O in bf16, backward");
+    }
 }
 
 // A causal band of one chunk (each query chunk keeps its own and the previous key chunk) on 4

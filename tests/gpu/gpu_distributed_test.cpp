@@ -230,6 +230,7 @@ TEST(GpuDistributed, BadInputsNameTheArgument) {
   auto t = group.transport(0);
   // One rank's problem of 128 tokens (Hq 4, Hkv 2, D 128), every block.
   bsattn::Problem p = Sequence(gpu_spec(1, dist::Layout::contiguous, false, 0, 1)).problem(128);
+  p.batch = 1;
   p.out_dtype = DType::bf16;
   p.device = Device::cuda;
   const std::int64_t q_elems = 128 * 4 * 128, kv_elems = 128 * 2 * 128;
