@@ -129,8 +129,9 @@ struct Pattern {
 // format all_blocks (every block), block_lists, bsr or bitmask, whose sparsity_batch /
 // sparsity_heads give the pattern's Bs and Hs. q [B, S_local, Hq, D], k and v
 // [B, S_local, Hkv, D]; out [B, S_local, Hq, D] of local.out_dtype (the pairs' fp32 parts are
-// merged in fp32 and rounded once into it), lse f32 [B, Hq, S_local] (may be left undefined). Every tensor on local.device; on a GPU each token's heads are
-// contiguous in K and V (stride[2] == D: a chunk travels as one copy per batch). The pattern's
+// merged in fp32 and rounded once into it), lse f32 [B, Hq, S_local] (may be left undefined).
+// Every tensor on local.device; on a GPU each token's heads are contiguous in K and V
+// (stride[2] == D: a chunk travels as one copy per batch). The pattern's
 // values are always checked (it is read on the host), by the rules of a single-process call (SPEC
 // §3, §8: L <= nKB, counts within [0, L], a row's entries ascending and unique in [0, nKB), BSR
 // offsets from 0, non-decreasing, ending within the indices, no block in both sets; errors name
