@@ -85,17 +85,18 @@ int resident_decode_clusters(int device, int splits) {
 // The instances of a (traits, proxy policy) family: token tensors (document ids, kv_valid bits) or
 // not; routes made from the lengths (the decode kernel's non-token instance; a prefill instance of
 // its own, launched when AttentionParams::routes_from_lengths). Null: no such instance.
-template <class T>
-using ForwardKernel = decltype(&forward_kernel_ws<T, false>);
+// Spelled out, not decltype(&forward_kernel_ws<T, false>): naming an instance that the unit never
+// launches (a proxy or decode family's exact one) draws nvcc's warning 20280 (static stubs).
+using ForwardKernel = void (*)(AttentionParams, const int*, LaunchDescriptors);
 template <class T, bool kProxy>
-std::array<ForwardKernel<T>, 3> kernels_of() {
+std::array<ForwardKernel, 3> kernels_of() {
   if constexpr (T::kDecode) return {forward_kernel_ws<T, true>, forward_kernel_ws<T, false, false, true>, nullptr};
   else if constexpr (kProxy) return {forward_kernel_ws<T, true, true>, forward_kernel_ws<T, false, true>, nullptr};
   else return {forward_kernel_ws<T, true>, forward_kernel_ws<T, false>, forward_kernel_ws<T, false, false, true>};
 }
 template <class T, bool kProxy>
-ForwardKernel<T> kernel_for(const AttentionParams& a) {
-  const std::array<ForwardKernel<T>, 3> k = kernels_of<T, kProxy>();
+ForwardKernel kernel_for(const AttentionParams& a) {
+  const std::array<ForwardKernel, 3> k = kernels_of<T, kProxy>();
   if (a.route.doc_q || a.route.kv_valid) return k[0];
   return a.routes_from_lengths && k[2] ? k[2] : k[1];
 }
