@@ -194,9 +194,10 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
   // are at most kBlockN / 2), and copies the sequence-end box into its own stage itself.
   const int half = T::kPairMulticast ? static_cast<int>(cute::block_rank_in_cluster()) * (kBlockN / 2) : 0;
   const bool my_box = lane < boxes && (!T::kPairMulticast || (r0 >= half && r0 < half + kBlockN / 2));
-  const auto load = [&](auto is_v, Element* tiles, const CUtensorMap* map, const Element* head,
-                        std::int64_t page_stride, std::int64_t token_stride, std::uint64_t* full, std::uint64_t* empty,
-                        int stage, int phase, int k0, int n_valid, int page, int token, int tail_box) {
+  const auto load = [&](auto is_v, Element* tiles, const CUtensorMap* map, const void* cache,
+                        std::int64_t head_stride, std::int64_t page_stride, std::int64_t token_stride,
+                        std::uint64_t* full, std::uint64_t* empty, int stage, int phase, int k0, int n_valid,
+                        int page, int token, int tail_box) {
     Barrier::wait(&empty[stage], phase ^ 1);
     constexpr unsigned kTileBytes = kBlockN * kHeadDim * sizeof(Element);
     // Only the issue is left after the wait: the loader's latency from a stage freeing to its
@@ -219,7 +220,12 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
     }
     if (tail_box >= 0) {
       const int t0 = tail_box * box_rows, kv = k0 + t0;
-      const Element* rows = head + static_cast<std::int64_t>(table[kv / page_size]) * page_stride +
+      // The head's rows are addressed here, from the slot by a volatile read: addressed before the
+      // route loop (as the compiler hoists them otherwise), the K and V heads' 64-bit offsets stayed
+      // live across it and spilled in the 40-register producer of two CTAs per SM (proxy kernels).
+      const std::int64_t head = *reinterpret_cast<const volatile int*>(&tile.hkv) * head_stride;
+      const Element* rows = static_cast<const Element*>(cache) + head +
+                            static_cast<std::int64_t>(table[kv / page_size]) * page_stride +
                             (kv % page_size) * token_stride;
       produce_rows<T, decltype(is_v)::value, 32>(st, ContiguousRows<Element>{rows, token_stride}, -t0, t0,
                                                  t0 + box_rows, n_valid, stage, lane);
@@ -236,12 +242,10 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
     const int page = rows == box_rows ? table[(k0 + r0) / page_size] : desc.kv_pages;
     const int token = (k0 + r0) % page_size;
     const int tail_box = __ffs(__ballot_sync(0xffffffffu, rows > 0 && rows < box_rows)) - 1;
-    load(std::false_type{}, st.k, &desc.k, static_cast<const Element*>(a.k) + hkv * a.k_head_stride,
-         a.k_batch_stride, a.k_token_stride, bars.full_k, bars.empty_k, stage, phase, k0, n_valid, page, token,
-         tail_box);
-    load(std::true_type{}, st.v, &desc.v, static_cast<const Element*>(a.v) + hkv * a.v_head_stride,
-         a.v_batch_stride, a.v_token_stride, bars.full_v, bars.empty_v, stage, phase, k0, n_valid, page, token,
-         tail_box);
+    load(std::false_type{}, st.k, &desc.k, a.k, a.k_head_stride, a.k_batch_stride, a.k_token_stride, bars.full_k,
+         bars.empty_k, stage, phase, k0, n_valid, page, token, tail_box);
+    load(std::true_type{}, st.v, &desc.v, a.v, a.v_head_stride, a.v_batch_stride, a.v_token_stride, bars.full_v,
+         bars.empty_v, stage, phase, k0, n_valid, page, token, tail_box);
   }
 }
 
