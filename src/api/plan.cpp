@@ -302,12 +302,6 @@ void Plan::plan(const Problem& problem) {
       throw Error("problem.scale", std::to_string(problem.scale) +
                                        ": the GPU kernels take a positive scale (0 means 1/sqrt(head_dim)); a negative "
                                        "scale is the positive one applied to -Q; or use Device::cpu");
-    if (problem.proxy != Proxy::off &&
-        gpu::forward_kernel_block_n(problem.dtype == DType::f16 ? ElementType::f16 : ElementType::bf16,
-                                    problem.head_dim, next->tiles.tile_m, next->tiles.tile_n, true) == 0)
-      throw Error("problem.proxy", "proxy routes on the GPU take f16 or bf16 at head_dim 128 (in this build's "
-                                   "BSATTN_GPU_DTYPES); got " + std::string(to_string(problem.dtype)) +
-                                       ", head_dim " + std::to_string(problem.head_dim) + "; use Device::cpu");
     if (problem.kv_layout == KVLayout::paged && problem.page_size % 16 != 0)
       throw Error("problem.page_size", std::to_string(problem.page_size) +
                                            ": the GPU kernels take pages of a multiple of 16 tokens; use Device::cpu");

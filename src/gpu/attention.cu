@@ -45,34 +45,34 @@ KernelSet kernels_of(int block_n, KernelKind kind) {
   return {};
 }
 
-// Whether the build compiled (dtype, head dim, proxy compensation): BSATTN_FWD_<DT>_D<D> and
-// BSATTN_FWD_PROXY_<DT>_D<D> (src/gpu/CMakeLists.txt). `block_n` 0: any width (a family check).
+// The kernels of (dtype, head dim, proxy policy) if the build compiled that (dtype, head dim):
+// BSATTN_FWD_<DT>_D<D> (src/gpu/CMakeLists.txt, which compiles both proxy policies of each).
+// `block_n` 0: any width (a family check).
 KernelSet compiled_kernels(ElementType t, int d, bool proxy, int block_n, KernelKind kind) {
   if (block_n == 0) block_n = 64;
+#define BSATTN_COMPILED_FAMILY(TYPE, D)                                                                      \
+  if (t == ElementType::TYPE && d == D)                                                                      \
+    return proxy ? kernels_of<ElementType::TYPE, D, true>(block_n, kind)                                     \
+                 : kernels_of<ElementType::TYPE, D, false>(block_n, kind);
 #ifdef BSATTN_FWD_BF16_D64
-  if (t == ElementType::bf16 && d == 64 && !proxy) return kernels_of<ElementType::bf16, 64, false>(block_n, kind);
+  BSATTN_COMPILED_FAMILY(bf16, 64)
 #endif
 #ifdef BSATTN_FWD_BF16_D128
-  if (t == ElementType::bf16 && d == 128 && !proxy) return kernels_of<ElementType::bf16, 128, false>(block_n, kind);
+  BSATTN_COMPILED_FAMILY(bf16, 128)
 #endif
 #ifdef BSATTN_FWD_BF16_D256
-  if (t == ElementType::bf16 && d == 256 && !proxy) return kernels_of<ElementType::bf16, 256, false>(block_n, kind);
+  BSATTN_COMPILED_FAMILY(bf16, 256)
 #endif
 #ifdef BSATTN_FWD_F16_D64
-  if (t == ElementType::f16 && d == 64 && !proxy) return kernels_of<ElementType::f16, 64, false>(block_n, kind);
+  BSATTN_COMPILED_FAMILY(f16, 64)
 #endif
 #ifdef BSATTN_FWD_F16_D128
-  if (t == ElementType::f16 && d == 128 && !proxy) return kernels_of<ElementType::f16, 128, false>(block_n, kind);
+  BSATTN_COMPILED_FAMILY(f16, 128)
 #endif
 #ifdef BSATTN_FWD_F16_D256
-  if (t == ElementType::f16 && d == 256 && !proxy) return kernels_of<ElementType::f16, 256, false>(block_n, kind);
+  BSATTN_COMPILED_FAMILY(f16, 256)
 #endif
-#ifdef BSATTN_FWD_PROXY_BF16_D128
-  if (t == ElementType::bf16 && d == 128 && proxy) return kernels_of<ElementType::bf16, 128, true>(block_n, kind);
-#endif
-#ifdef BSATTN_FWD_PROXY_F16_D128
-  if (t == ElementType::f16 && d == 128 && proxy) return kernels_of<ElementType::f16, 128, true>(block_n, kind);
-#endif
+#undef BSATTN_COMPILED_FAMILY
   (void)t;
   (void)d;
   (void)proxy;

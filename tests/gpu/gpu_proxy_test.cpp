@@ -1,7 +1,7 @@
 // Proxy compensation on the GPU (SPEC §6, issue 11.3) against the CPU engine on the same inputs
 // (which the oracle suite checks against float64): eligible blocks and explicit proxy sets, every
 // format, batched and varlen (empty sequences), GQA with and without head packing, 128- and
-// 64-row tiles, KV tiles narrower than the kernel's (Bk 48, 96) and split blocks (Bk 256), short
+// 64-row tiles, D 64 / 128 / 256, KV tiles narrower than the kernel's (Bk 48, 96) and split blocks (Bk 256), short
 // last KV blocks, sparse explicit sets across the kernel's proxy windows, built-in masks (causal eligibility, windows, sinks, documents, KV bits), empty
 // rows (every block proxied), dense rows (nothing proxied). Outputs and LSE are poisoned before
 // the run and every element is compared.
@@ -155,25 +155,33 @@ TEST(GpuProxy, DenseAndEmptySelections) {
     }
 }
 
-// The proxy kernels exist for f16 / bf16 at D = 128; anything else is refused by plan() before
-// the device is touched, naming the field.
-TEST(GpuProxy, PlanRefusesUnsupportedHeadDim) {
-  Problem p;
-  p.device = Device::cuda;
-  p.batch = 1;
-  p.heads_q = p.heads_kv = p.sparsity_heads = 1;
-  p.max_seqlen_q = p.max_seqlen_kv = 256;
-  p.head_dim = 64;
-  p.block = {128, 128};
-  p.format = Format::block_lists;
-  p.proxy = Proxy::eligible;
-  try {
-    Plan plan(p);
-    FAIL() << "plan() accepted proxy routes at head_dim 64 on the GPU";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), "problem.proxy") << e.what();
-    EXPECT_NE(std::string(e.what()).find("head_dim 64"), std::string::npos) << e.what();
-  }
+// D 64 and 256 (the other tests run D 128): every kernel kind of those head dims (D 64 takes
+// 128-wide KV tiles in the 64-row kernel of two CTAs per multiprocessor, D 256 only 64-wide ones),
+// eligible and explicit sets, both dtypes, f32 outputs, short last blocks, rows of two windows.
+TEST(GpuProxy, HeadDims64And256) {
+  REQUIRE_SM90();
+  const int blocks[][2] = {{128, 128}, {64, 64}, {128, 64}, {64, 128}, {32, 48}};
+  std::uint64_t seed = 7500;
+  for (int head_dim : {64, 256})
+    for (const auto& bl : blocks)
+      for (Proxy proxy : {Proxy::eligible, Proxy::explicit_set}) {
+        CaseSpec spec;
+        spec.proxy = proxy;
+        spec.head_dim = head_dim;
+        spec.dtype = seed % 2 ? DType::f16 : DType::bf16;
+        spec.bq = bl[0];
+        spec.bk = bl[1];
+        const Sweep& s = kSweeps[seed % kNumSweeps];
+        spec.format = s.format;
+        spec.varlen = s.varlen;
+        spec.hq = seed % 3 == 0 ? 4 : 2;  // 4 / 2: packed head pairs in 64-row tiles
+        spec.hkv = 2;
+        spec.max_seqlen = 70 * 32 + 29;  // blocks of 32 / 48: windows of 64 blocks and more; short last blocks
+        spec.density = 0.15;
+        spec.out_f32 = seed % 4 == 0;
+        spec.seed = seed++;
+        check_against_cpu(spec);
+      }
 }
 
 }  // namespace
