@@ -261,7 +261,6 @@ class Report:
     time_dense: float
     error_dense: float  # bsattn's dense attention against the float64 reference: the dtype's floor
     logit_spread: float  # `Reference.logit_spread`
-    notes: list
 
     def goal_row(self):
         """The row whose measured density is closest to the goal's density."""
@@ -329,10 +328,6 @@ class _Engine:
 _TORCH_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 
-def _to_cpu(x):
-    return x.cpu() if _is_torch(x) else x
-
-
 def _to_numpy(x):
     return x.cpu().numpy() if _is_torch(x) else x
 
@@ -342,7 +337,6 @@ def measure(spec=VideoTokens(), *, densities=DEFAULT_DENSITIES, block_size=(64, 
     """Runs the sweep and returns a `Report` (one `Row` per density, in the given order)."""
     engine = _Engine(device, dtype)
     block_size = bq, bk = _block_size(block_size)
-    notes = []
     q, k, v = (engine.tensor(x) for x in video_tokens(spec))
     reference = dense_reference(*(_float64(x) for x in (q, k, v)), block_size)  # on the inputs' device
     block_mass, proxy_mass = (_to_numpy(x) for x in (reference.block_mass, reference.proxy_mass))
@@ -363,7 +357,6 @@ def measure(spec=VideoTokens(), *, densities=DEFAULT_DENSITIES, block_size=(64, 
         mask = select(**{policy: value})
         return mask, density_of(mask, kv_blocks)
 
-    proxy_attention = _ProxyAttention(q, k, v, summaries, notes)
     rows = []
     for target in densities:
         if policy == "top_k":
@@ -376,46 +369,16 @@ def measure(spec=VideoTokens(), *, densities=DEFAULT_DENSITIES, block_size=(64, 
         time_selection = time_stage(lambda: select(validate=False, **{policy: parameter}))
         out = _api.attention(q, k, v, mask)
         time_attention = time_stage(lambda: _api.attention(q, k, v, mask, validate=False))
-        out_proxy = proxy_attention(mask)
-        # The CPU fallback of a GPU run is timed once: a large GPU problem takes long on the CPU.
-        time_attention_proxy = _median_time(lambda: proxy_attention(mask, validate=False),
-                                            1 if proxy_attention.host else repeats, engine.synchronize)
+        out_proxy = _api.attention(q, k, v, mask, proxy=summaries)
+        time_attention_proxy = time_stage(lambda: _api.attention(q, k, v, mask, proxy=summaries, validate=False))
         unselected = ~selected_blocks(mask, kv_blocks)[0]
         dropped = float(block_mass[unselected].sum())
         recovered = float(proxy_mass[unselected].sum()) / dropped if dropped else 1.0
         rows.append(Row(target, parameter, 1.0 - float(unselected.mean()), dropped / (spec.heads * spec.seqlen), recovered,
-                        relative_error(out, reference.out), relative_error(_back_to(out_proxy, q), reference.out),
+                        relative_error(out, reference.out), relative_error(out_proxy, reference.out),
                         time_selection, time_attention, time_attention_proxy, mask))
     return Report(spec, dtype, device, (bq, bk), policy, rows, time_summaries, time_dense, error_dense,
-                  reference.logit_spread, notes)
-
-
-def _back_to(x, like):
-    """x on the device of `like` (the CPU fallback's output is compared on the GPU)."""
-    return x.to(like.device) if _is_torch(x) else x
-
-
-class _ProxyAttention:
-    """attention(q, k, v, mask, proxy=summaries) where the engine can run it. The GPU forward
-    kernel has no proxy routes yet (issue 11.3): there the first call falls back to the CPU
-    engine on host copies for the rest of the run, and leaves a note saying so."""
-
-    def __init__(self, q, k, v, summaries, notes):
-        self.q, self.k, self.v, self.summaries, self.notes = q, k, v, summaries, notes
-        self.host = None
-
-    def __call__(self, mask, validate=True):
-        if self.host is None:
-            try:
-                return _api.attention(self.q, self.k, self.v, mask, proxy=self.summaries, validate=validate)
-            except BsattnError as error:
-                if error.argument != "problem.proxy":
-                    raise
-                self.notes.append(f"attention + proxy ran on the CPU engine (host copies); the GPU said: {error}")
-                self.host = tuple(_to_cpu(x) for x in (self.q, self.k, self.v))
-                self.host_summaries = _api.Summaries(*(_to_cpu(x) for x in self.summaries))
-        host_mask = Bitmask(_to_cpu(mask.sets["partial"]["bits"]), block_size=mask.block_size)
-        return _api.attention(*self.host, host_mask, proxy=self.host_summaries, validate=validate)
+                  reference.logit_spread)
 
 
 # ---- Output: table, plot, command line ---------------------------------------------------
@@ -458,7 +421,6 @@ def format_report(report):
     verdict = "met" if goal.ratio <= GOAL_RATIO else "NOT met"
     lines.append(f"goal (issue 11): err +proxy <= {GOAL_RATIO} x err select at density {GOAL_DENSITY}: "
                  f"{goal.ratio:.3f} at density {goal.density:.3f}, {verdict}")
-    lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)
 
 

@@ -89,7 +89,7 @@ CaseSpec pipeline_spec(int i, bool varlen, bool proxy) {
   spec.varlen = varlen;
   spec.dtype = (i / 2) % 2 ? DType::bf16 : DType::f16;  // not tied to the layout (i % 2)
   const int dims[] = {64, 128, 256};
-  spec.head_dim = proxy ? 128 : dims[i % 3];
+  spec.head_dim = dims[i % 3];
   const int bqs[] = {64, 128, 32, 64}, bks[] = {64, 128, 64, 48};
   spec.bq = bqs[i % 4];
   spec.bk = spec.head_dim == 256 && bks[(i / 4) % 4] == 48 ? 64 : bks[(i / 4) % 4];
@@ -176,8 +176,7 @@ TEST_P(GpuSelectedTest, EqualsTheSeparateCalls) {
 }
 INSTANTIATE_TEST_SUITE_P(Random, GpuSelectedTest, ::testing::Range(0, 36));
 
-// Proxy compensation of the unselected eligible blocks; skipped (with plan()'s message) while
-// plan() refuses proxy routes on the GPU.
+// Proxy compensation of the unselected eligible blocks.
 class GpuSelectedProxyTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(GpuSelectedProxyTest, EqualsTheSeparateCalls) {
@@ -189,16 +188,10 @@ TEST_P(GpuSelectedProxyTest, EqualsTheSeparateCalls) {
   Problem p = c->problem;
   p.proxy = Proxy::eligible;
   p.validate = i % 3 == 0;
-  std::unique_ptr<SelectedAttention> selected;
-  try {
-    selected = std::make_unique<SelectedAttention>(p, options);
-  } catch (const Error& e) {
-    if (e.argument() != "problem.proxy") throw;
-    GTEST_SKIP() << "plan() refuses proxy routes on the GPU in this build: " << e.what();
-  }
+  SelectedAttention selected(p, options);
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  expect_pipeline_matches(*c, *selected, stream, describe(*c, options, selected->problem()));
+  expect_pipeline_matches(*c, selected, stream, describe(*c, options, selected.problem()));
   CUDA_OK(cudaStreamDestroy(stream));
 }
 INSTANTIATE_TEST_SUITE_P(Random, GpuSelectedProxyTest, ::testing::Range(0, 16));
@@ -223,14 +216,8 @@ TEST_P(GpuSelectedGraphTest, ReplayWithNewValuesEqualsEagerRun) {
   Problem p = c->problem;
   p.validate = false;
   p.proxy = proxy ? Proxy::eligible : Proxy::off;
-  std::unique_ptr<SelectedAttention> captured, eager;
-  try {
-    captured = std::make_unique<SelectedAttention>(p, options);
-    eager = std::make_unique<SelectedAttention>(p, options);
-  } catch (const Error& e) {
-    if (!proxy || e.argument() != "problem.proxy") throw;
-    GTEST_SKIP() << "plan() refuses proxy routes on the GPU in this build: " << e.what();
-  }
+  auto captured = std::make_unique<SelectedAttention>(p, options);
+  auto eager = std::make_unique<SelectedAttention>(p, options);
   const std::string what = describe(*c, options, p);
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
