@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Proxy compensation overhead on the GPU (issue 11.3) and where it goes: bsattn's forward with
 proxy terms on the eligible blocks against the exact run with the same selected set (no mask, so
-every unselected block is eligible). bf16, D 128, MHA H 40, one random pattern per head, density
-0.175 (each (head, Q block) row selects round(0.175 * nKB) blocks, the diagonal one always),
-blocks 64 x 64 and 128 x 128, S 10800 and 32768. Summaries come from bsattn's build_summaries.
+every unselected block is eligible). bf16, D 128 (--head-dim 64 or 256), MHA H 40, one random
+pattern per head, density 0.175 (each (head, Q block) row selects round(0.175 * nKB) blocks, the
+diagonal one always), blocks 64 x 64 and 128 x 128, S 10800 and 32768. Summaries come from bsattn's build_summaries.
 
 Three runs per shape, each checked first on rows of a few (head, Q block) pairs against a float64
 torch reference (exact: softmax over the selected tokens; proxy: plus one term p_j = exp(s_j) per
@@ -35,6 +35,7 @@ P = argparse.ArgumentParser()
 P.add_argument("--lib", required=True)
 P.add_argument("--iters", type=int, default=20)
 P.add_argument("--out", default="")
+P.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
 ARGS = P.parse_args()
 
 LIB = benchlib.load(ARGS.lib, need=("bsattn_bench_plan", "bsattn_bench_set_proxy", "bsattn_bench_summaries"))
@@ -47,7 +48,7 @@ for name, res, args in (
     if not hasattr(LIB, name):
         raise RuntimeError(f"{ARGS.lib} lacks {name}: rebuild the bench target (bench/gpu/bench_shim.cpp)")
     getattr(LIB, name).restype, getattr(LIB, name).argtypes = res, args
-H, D, DENSITY = 40, 128, 0.175
+H, D, DENSITY = 40, ARGS.head_dim, 0.175
 VARIANTS = ("exact", "proxy-empty", "proxy")
 ptr = benchlib.ptr
 
