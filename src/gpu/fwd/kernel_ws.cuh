@@ -51,13 +51,16 @@ struct WsConfig {
   // Two CTAs of one consumer warpgroup: 40 / 208 (a split that takes every register hung in
   // setmaxnreg). kProxy: the producer also streams the summary windows, and at 40 / 56 spilled
   // 4-92 bytes (the tile handoff's count, the TMA flag, the cp.async rows' bases); it takes 64
-  // beside two consumer warpgroups (216 each: no spill there either) and 96 beside one in a CTA of
-  // its own, where the exact split leaves registers unused. Same proxy times (bench/RESULTS.md).
+  // beside two consumer warpgroups (216 each: no spill there either), 96 beside one in a CTA of
+  // its own, where the exact split leaves registers unused, and 56 / 192 in two CTAs of one
+  // warpgroup (the same total as 40 / 208: at 192 the consumers spill nothing, at 40 the D 64
+  // producers spilled 8-172 bytes). Same proxy times for 64 and 96 (bench/RESULTS.md); 56 / 192 not timed yet.
   template <bool kProxy>
   struct Registers {
     static constexpr int kProducer =
-        T::kWarpgroups == 2 ? (kProxy ? 64 : 40) : T::kCtasPerSm == 2 ? 40 : (kProxy ? 96 : 56);
-    static constexpr int kConsumer = T::kWarpgroups == 2 ? (kProxy ? 216 : 232) : T::kCtasPerSm == 2 ? 208 : 240;
+        T::kWarpgroups == 2 ? (kProxy ? 64 : 40) : T::kCtasPerSm == 2 ? (kProxy ? 56 : 40) : (kProxy ? 96 : 56);
+    static constexpr int kConsumer =
+        T::kWarpgroups == 2 ? (kProxy ? 216 : 232) : T::kCtasPerSm == 2 ? (kProxy ? 192 : 208) : 240;
     static_assert(register_split_fits(kProducerThreads, kProducer, T::kThreads, kConsumer, T::kCtasPerSm),
                   "the consumers' registers exceed the CTA's allocation");
   };
