@@ -84,12 +84,13 @@ TEST_P(ProxyNoDoubleCountTest, SelectedBlocksInTheExplicitSetAreIgnored) {
 }
 INSTANTIATE_TEST_SUITE_P(Random, ProxyNoDoubleCountTest, ::testing::Range(0, 40));
 
-// A hand-built problem checked against the SPEC §6 formula written out here: Skv = 45 with
-// Bk = 16 (the last block holds 13 tokens); Q block 0 selects nothing (proxies only), Q block 1
-// selects block 1 exactly and gets proxies for blocks 0 and 2. Summaries come from the library's
-// builder; f32 throughout.
-TEST(ProxyFormulaTest, ShortLastBlockAndProxyOnlyRow) {
-  const int Sq = 20, Skv = 45, H = 2, D = 16, Bq = 16, Bk = 16, nKB = 3;
+// A hand-built problem checked against the SPEC §6 formula written out here: Skv tokens in
+// blocks of Bk = 16 (the last one short); Q block 0 selects nothing (proxies only), Q block 1
+// selects block 1 exactly and gets proxies for every other block. Both Q blocks share one route
+// row (two units), whose proxy records the CPU engine takes tile_n = 16 at a time. Summaries come
+// from the library's builder; f32 throughout.
+void expect_proxy_formula(int Skv) {
+  const int Sq = 20, H = 2, D = 16, Bq = 16, Bk = 16, nKB = (Skv + Bk - 1) / Bk;
   std::mt19937 rng(11);
   std::normal_distribution<float> normal;
   std::vector<float> q(Sq * H * D), k(Skv * D), v(Skv * D), ks(nKB * D), vs(nKB * D), o(Sq * H * D), lse(H * Sq);
@@ -159,6 +160,12 @@ TEST(ProxyFormulaTest, ShortLastBlockAndProxyOnlyRow) {
       EXPECT_NEAR(lse[h * Sq + i], std::log(denominator), 5e-5) << "h=" << h << " q=" << i;
     }
 }
+
+// Skv 45: three blocks, the last of 13 tokens.
+TEST(ProxyFormulaTest, ShortLastBlockAndProxyOnlyRow) { expect_proxy_formula(45); }
+
+// Skv 645: 41 blocks, the last of 5 tokens; 41 and 40 proxy records, three tiles of 16 columns.
+TEST(ProxyFormulaTest, SeveralProxyTilesPerRow) { expect_proxy_formula(645); }
 
 // bsattn::build_summaries against float64 mean-K / sum-V, every KV layout; blocks past a
 // sequence's end are zero.

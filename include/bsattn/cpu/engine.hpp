@@ -43,7 +43,7 @@ struct WholeBlockQuery {
 inline std::size_t scratch_floats(int tile_m, int tile_n, int head_dim) {
   const std::size_t m = tile_m, n = tile_n, d = head_dim;
   return m * d /*q*/ + m * d /*acc*/ + d * n /*k^T*/ + n * d /*v*/ + 4 * n /*scores of a row group*/ +
-         2 * m /*max, sum*/ + 2 * d;
+         2 * m /*max, sum*/ + 2 * d /*a row*/ + n /*proxy columns' log n_j*/;
 }
 
 struct RowOverflow {
@@ -290,6 +290,65 @@ inline void group_pv(const float* p, int tn, const float* v, int n, int d, float
   for (; ib < d; ib += 8) group_pv_columns<1>(p, tn, v, n, d, ib, acc);
 }
 
+// The proxy terms of `n` (<= tn) consecutive proxy records of a route row for its `rows` query
+// rows (q scaled, acc / row_max / row_sum their online-softmax state). Record j stands for KV
+// block j' = records[j].index, n_j of its tokens in the sequence: its column scores
+// <q, K mean of j'> + ln n_j, so exp(column - m) = exp(<q, K mean> - m) n_j is the block's weight
+// in the denominator, and its value row is the V sum over n_j (the V mean), which that weight
+// turns back into exp(<q, K mean> - m) V sum (SPEC §6). A row takes the columns whose records
+// carry its unit. kt / v / score / log_n: scratch of tn columns.
+inline void attend_proxy_tile(const AttentionParams& a, int b, const route::SeqInfo& s, int hkv,
+                              const route::Route* records, int n, const float* q, int rows, float* kt, float* v,
+                              float* score, float* log_n, float* acc, float* row_max, float* row_sum) {
+  const route::RouteParams& p = a.route;
+  const int d = a.head_dim, tn = p.tile_n;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < n; ++j) {
+    const int block = records[j].index;
+    const int n_j = std::min(p.block_kv, s.seqlen_kv - block * p.block_kv);
+    load_row(a.k_summary, b * a.summary_batch_stride + block * a.summary_block_stride + hkv * a.summary_head_stride,
+             d, a.in_type, v);  // staged in v's first row, then transposed into kt
+    for (int i = 0; i < d; ++i) kt[i * tn + j] = v[i];
+    log_n[j] = std::log(static_cast<float>(n_j));
+  }
+  for (int j = 0; j < n; ++j) {
+    const int block = records[j].index;
+    float* vj = v + static_cast<std::size_t>(j) * d;
+    load_row(a.v_summary,
+             b * a.v_summary_batch_stride + block * a.v_summary_block_stride + hkv * a.v_summary_head_stride, d,
+             a.in_type, vj);
+    const float inv_n = 1.0f / static_cast<float>(std::min(p.block_kv, s.seqlen_kv - block * p.block_kv));
+    for (int i = 0; i < d; ++i) vj[i] *= inv_n;
+  }
+  const int n_padded = (n + 15) / 16 * 16;  // <= tn; the padding columns' scores are set to -inf
+  for (int r0 = 0; r0 < rows; r0 += kRowGroup) {
+    const int unit = r0 / p.unit_m;
+    bool any = false;
+    for (int j = 0; j < n; ++j) any |= ((records[j].rows >> unit) & 1u) != 0;
+    if (!any) continue;
+    group_scores(q + r0 * d, d, kt, tn, n_padded, score);
+    for (int g = 0; g < kRowGroup; ++g) {
+      float* sr = score + g * tn;
+      const int r = r0 + g;
+      if (r >= rows) {  // past the sequence: contributes nothing
+        std::fill(sr, sr + n, 0.0f);
+        continue;
+      }
+      for (int j = 0; j < n; ++j) sr[j] = ((records[j].rows >> unit) & 1u) ? sr[j] + log_n[j] : neg_inf;
+      const float mx = nan_propagating_max(sr, n);
+      if (mx == neg_inf) {  // no term for this row (or an infinite Q or summary element: weight 0)
+        std::fill(sr, sr + n, 0.0f);
+        continue;
+      }
+      RowState st{acc + r * d, row_max[r], row_sum[r]};
+      rescale(st, mx, d);
+      std::fill(sr + n, sr + n_padded, neg_inf);
+      st.l += exp_shifted_in_place(sr, n_padded, st.m);
+    }
+    group_pv(score, tn, v, n, d, acc + r0 * d);
+  }
+}
+
 }  // namespace detail
 
 // Attends one (route row, query head) work item and writes its O rows and LSE.
@@ -314,6 +373,7 @@ void attend_item(const AttentionParams& a, int row, int h, float* scratch, const
   float* row_max = score + detail::kRowGroup * tn;
   float* row_sum = row_max + p.tile_m;
   float* tmp = row_sum + p.tile_m;  // 2 * d
+  float* log_n = tmp + 2 * d;       // tn
 
   for (int r = 0; r < rows; ++r) {
     detail::load_row(a.q, a.q_offset(rc.b, s, q0 + r, h), d, a.in_type, q + r * d);
@@ -357,25 +417,13 @@ void attend_item(const AttentionParams& a, int row, int h, float* scratch, const
         }
         detail::group_pv(score, tn, v, nk, d, acc + r0 * d);
       }
-    } else {  // proxy: one summary term, weight exp(s) * n_j on the summed V (SPEC §6)
-      const int j = rt.index;
-      const int n_j = std::min(p.block_kv, s.seqlen_kv - j * p.block_kv);
-      const std::int64_t ks = rc.b * a.summary_batch_stride + j * a.summary_block_stride + hkv * a.summary_head_stride;
-      const std::int64_t vs = rc.b * a.v_summary_batch_stride + j * a.v_summary_block_stride + hkv * a.v_summary_head_stride;
-      detail::load_row(a.k_summary, ks, d, a.in_type, tmp);
-      detail::load_row(a.v_summary, vs, d, a.in_type, tmp + d);
-      const float log_n = std::log(static_cast<float>(n_j));
-      for (int r = 0; r < rows; ++r) {
-        if (!((rt.rows >> (r / p.unit_m)) & 1u)) continue;
-        float dot = 0.0f;
-        for (int i = 0; i < d; ++i) dot += q[r * d + i] * tmp[i];
-        if (dot == neg_inf) continue;  // weight 0 (an infinite Q or summary element), as in the exact path
-        RowState st{acc + r * d, row_max[r], row_sum[r]};
-        detail::rescale(st, dot + log_n, d);
-        const float w = std::exp(dot - st.m);
-        st.l += w * static_cast<float>(n_j);
-        for (int i = 0; i < d; ++i) st.acc[i] += w * tmp[d + i];
-      }
+    } else {
+      // Proxy records (SPEC §6; they close the row): up to tn of them as one tile, the summaries
+      // as its keys and values, so that they take the exact path's vector products.
+      int n = 1;
+      while (n < tn && ri + n < count && routes[ri + n].kind == static_cast<std::uint8_t>(route::RouteKind::proxy)) ++n;
+      detail::attend_proxy_tile(a, rc.b, s, hkv, routes + ri, n, q, rows, kt, v, score, log_n, acc, row_max, row_sum);
+      ri += n - 1;
     }
   }
 
