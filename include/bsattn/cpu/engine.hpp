@@ -43,7 +43,7 @@ struct WholeBlockQuery {
 inline std::size_t scratch_floats(int tile_m, int tile_n, int head_dim) {
   const std::size_t m = tile_m, n = tile_n, d = head_dim;
   return m * d /*q*/ + m * d /*acc*/ + d * n /*k^T*/ + n * d /*v*/ + 4 * n /*scores of a row group*/ +
-         2 * m /*max, sum*/ + 2 * d /*a row*/ + n /*proxy columns' log n_j*/;
+         2 * m /*max, sum*/ + d /*a staged row*/ + n /*proxy columns' log n_j*/;
 }
 
 struct RowOverflow {
@@ -296,29 +296,26 @@ inline void group_pv(const float* p, int tn, const float* v, int n, int d, float
 // <q, K mean of j'> + ln n_j, so exp(column - m) = exp(<q, K mean> - m) n_j is the block's weight
 // in the denominator, and its value row is the V sum over n_j (the V mean), which that weight
 // turns back into exp(<q, K mean> - m) V sum (SPEC §6). A row takes the columns whose records
-// carry its unit. kt / v / score / log_n: scratch of tn columns.
+// carry its unit. kt / v / score / log_n: scratch of tn columns; tmp: d floats.
 inline void attend_proxy_tile(const AttentionParams& a, int b, const route::SeqInfo& s, int hkv,
                               const route::Route* records, int n, const float* q, int rows, float* kt, float* v,
-                              float* score, float* log_n, float* acc, float* row_max, float* row_sum) {
+                              float* score, float* log_n, float* tmp, float* acc, float* row_max, float* row_sum) {
   const route::RouteParams& p = a.route;
   const int d = a.head_dim, tn = p.tile_n;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int j = 0; j < n; ++j) {
     const int block = records[j].index;
-    const int n_j = std::min(p.block_kv, s.seqlen_kv - block * p.block_kv);
+    const float n_j = static_cast<float>(std::min(p.block_kv, s.seqlen_kv - block * p.block_kv));
     load_row(a.k_summary, b * a.summary_batch_stride + block * a.summary_block_stride + hkv * a.summary_head_stride,
-             d, a.in_type, v);  // staged in v's first row, then transposed into kt
-    for (int i = 0; i < d; ++i) kt[i * tn + j] = v[i];
-    log_n[j] = std::log(static_cast<float>(n_j));
-  }
-  for (int j = 0; j < n; ++j) {
-    const int block = records[j].index;
+             d, a.in_type, tmp);
+    for (int i = 0; i < d; ++i) kt[i * tn + j] = tmp[i];
     float* vj = v + static_cast<std::size_t>(j) * d;
     load_row(a.v_summary,
              b * a.v_summary_batch_stride + block * a.v_summary_block_stride + hkv * a.v_summary_head_stride, d,
              a.in_type, vj);
-    const float inv_n = 1.0f / static_cast<float>(std::min(p.block_kv, s.seqlen_kv - block * p.block_kv));
+    const float inv_n = 1.0f / n_j;
     for (int i = 0; i < d; ++i) vj[i] *= inv_n;
+    log_n[j] = std::log(n_j);
   }
   const int n_padded = (n + 15) / 16 * 16;  // <= tn; the padding columns' scores are set to -inf
   for (int r0 = 0; r0 < rows; r0 += kRowGroup) {
@@ -372,8 +369,8 @@ void attend_item(const AttentionParams& a, int row, int h, float* scratch, const
   float* score = v + static_cast<std::size_t>(tn) * d;
   float* row_max = score + detail::kRowGroup * tn;
   float* row_sum = row_max + p.tile_m;
-  float* tmp = row_sum + p.tile_m;  // 2 * d
-  float* log_n = tmp + 2 * d;       // tn
+  float* tmp = row_sum + p.tile_m;  // d
+  float* log_n = tmp + d;           // tn
 
   for (int r = 0; r < rows; ++r) {
     detail::load_row(a.q, a.q_offset(rc.b, s, q0 + r, h), d, a.in_type, q + r * d);
@@ -422,7 +419,8 @@ void attend_item(const AttentionParams& a, int row, int h, float* scratch, const
       // as its keys and values, so that they take the exact path's vector products.
       int n = 1;
       while (n < tn && ri + n < count && routes[ri + n].kind == static_cast<std::uint8_t>(route::RouteKind::proxy)) ++n;
-      detail::attend_proxy_tile(a, rc.b, s, hkv, routes + ri, n, q, rows, kt, v, score, log_n, acc, row_max, row_sum);
+      detail::attend_proxy_tile(a, rc.b, s, hkv, routes + ri, n, q, rows, kt, v, score, log_n, tmp, acc, row_max,
+                                  row_sum);
       ri += n - 1;
     }
   }
