@@ -29,6 +29,30 @@ struct UnitColumnWeight {
 
 constexpr float kStaleMaxLog2 = 8.0f;
 
+// Max of row i of a rowcol fragment and `init`, in kPartials independent chains combined at the
+// end: one chain was 32 dependent FMNMX (128-wide tiles) ahead of every exp of the row, with
+// nothing else for the warp to issue (FlashAttention-4's SM90 softmax keeps 4 partial maxima).
+// Order does not change a max (fmaxf skips NaN in any order): the result is the serial chain's.
+template <class TS>
+__device__ __forceinline__ float fragment_row_max(const TS& s, int i, float init) {
+  constexpr int kCols = decltype(size<1>(s))::value;
+  constexpr int kPartials = kCols % 4 == 0 ? 4 : 1;
+  float part[kPartials];
+  CUTE_UNROLL
+  for (int p = 0; p < kPartials; ++p) part[p] = s(i, p);
+  CUTE_UNROLL
+  for (int j = kPartials; j < kCols; j += kPartials) {
+    CUTE_UNROLL
+    for (int p = 0; p < kPartials; ++p) part[p] = fmaxf(part[p], s(i, j + p));
+  }
+  CUTE_UNROLL
+  for (int width = kPartials / 2; width > 0; width /= 2) {
+    CUTE_UNROLL
+    for (int p = 0; p < width; ++p) part[p] = fmaxf(part[p], part[p + width]);
+  }
+  return fmaxf(init, part[0]);
+}
+
 template <int kRows>
 struct OnlineSoftmax {
   float row_max[kRows];
@@ -51,10 +75,7 @@ struct OnlineSoftmax {
   __device__ __forceinline__ void step(TS& s, float (&rescale)[kRows], const ColumnWeight& weight = {}) {
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      float mx = row_max[i];
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) mx = fmaxf(mx, s(i, j));
-      mx = quad_max(mx);
+      const float mx = quad_max(fragment_row_max(s, i, row_max[i]));
       // False for equal infinities (NaN difference): the kept +inf max already made the row NaN.
       const bool raise = (mx - row_max[i]) * scale_log2 > kStaleMaxLog2;
       rescale[i] = raise ? exp2_ftz((row_max[i] - mx) * scale_log2) : 1.0f;
