@@ -54,7 +54,7 @@ struct WsConfig {
   // beside two consumer warpgroups (216 each: no spill there either), 96 beside one in a CTA of
   // its own, where the exact split leaves registers unused, and 56 / 192 in two CTAs of one
   // warpgroup (the same total as 40 / 208: at 192 the consumers spill nothing, at 40 the D 64
-  // producers spilled 8-172 bytes). Same proxy times for 64 and 96 (bench/RESULTS.md); 56 / 192 not timed yet.
+  // producers spilled 8-172 bytes). Same proxy times for each (bench/RESULTS.md).
   template <bool kProxy>
   struct Registers {
     static constexpr int kProducer =
