@@ -31,7 +31,6 @@ import time
 import numpy as np
 
 from . import _api, _select
-from ._bsattn import BsattnError
 from .sparsity import Bitmask, _block_size
 
 GOAL_DENSITY = 0.175  # issue 11: with proxy, at most half the error of selection alone here
