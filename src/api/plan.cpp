@@ -212,6 +212,7 @@ static bool gpu_backward_geometry(const Problem& pb, const TileShape& tiles, con
   out.heads_q = pb.heads_q;
   out.head_dim = pb.head_dim;
   out.columns = static_cast<std::int64_t>(pb.batch) * geo.sparsity_heads * kv_tiles;
+  out.ctas = static_cast<std::int64_t>(pb.batch) * pb.heads_kv * kv_tiles;
   out.column_capacity = geo.max_q_tiles;
   out.semaphores = static_cast<std::int64_t>(pb.batch) * pb.heads_q * geo.max_q_tiles;
   out.dq_tiles = gpu::bwd::dq_tiles_per_head(geo.tile_m, pb.q_layout == QLayout::varlen, pb.batch, pb.max_seqlen_q,

@@ -4,6 +4,8 @@
 
 #include "gpu/bwd/columns.cuh"
 #include "gpu/bwd/rows.cuh"
+#include "gpu/bwd/steps.cuh"
+#include "gpu/work_order.cuh"
 
 namespace bsattn::gpu {
 namespace bwd {
@@ -54,7 +56,7 @@ Family family(ElementType t, int d) {
 constexpr std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
 
 struct Offsets {
-  std::size_t lse, delta, semaphores, counts, columns, end;
+  std::size_t lse, delta, semaphores, counts, columns, cta_order, end;
 };
 Offsets offsets(const BackwardGeometry& g) {
   Offsets o;
@@ -64,7 +66,8 @@ Offsets offsets(const BackwardGeometry& g) {
   o.semaphores = o.delta + align256(row_values);
   o.counts = o.semaphores + align256(static_cast<std::size_t>(g.semaphores) * sizeof(std::int32_t));
   o.columns = o.counts + align256(static_cast<std::size_t>(g.columns) * sizeof(std::int32_t));
-  o.end = o.columns + static_cast<std::size_t>(g.columns) * g.column_capacity * sizeof(ColumnRoute);
+  o.cta_order = o.columns + align256(static_cast<std::size_t>(g.columns) * g.column_capacity * sizeof(ColumnRoute));
+  o.end = o.cta_order + static_cast<std::size_t>(g.ctas) * sizeof(std::int32_t);
   return o;
 }
 
@@ -81,6 +84,7 @@ void BackwardWorkspace::carve(void* base, const BackwardGeometry& g) {
   semaphores = reinterpret_cast<std::int32_t*>(p + o.semaphores);
   column_counts = reinterpret_cast<std::int32_t*>(p + o.counts);
   columns = reinterpret_cast<ColumnRoute*>(p + o.columns);
+  cta_order = reinterpret_cast<std::int32_t*>(p + o.cta_order);
   geometry = g;
 }
 
@@ -122,6 +126,16 @@ cudaError_t run_backward(const BackwardParams& g, const BackwardWorkspace& ws, c
                                 32 * bwd::kColumnWarps, 0, stream>>>(a, max_kv_tiles, geo.columns, ws.columns,
                                                                      ws.column_counts, overflow);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    // The CTAs longest walk first within each (b, KV head) (work_order.cuh): random patterns give
+    // columns of binomial length, and in block order the longest could start last. Not in
+    // deterministic mode, whose dQ order has a CTA wait for the lower KV tiles of its (b, KV head):
+    // started no later there, so no cycle of waits can form.
+    if (!deterministic) {
+      const bwd::CtaWork work = bwd::CtaWork::of(a.route, max_kv_tiles, ws.column_counts);
+      order_by_work_kernel<<<1, kOrderThreads, 0, stream>>>(work, static_cast<int>(geo.ctas), work.order_groups(),
+                                                             ws.cta_order);
+      if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
     if ((e = f(&g, block_n, ws, overflow, deterministic, stream)) != cudaSuccess) return e;
   }
   if (q_values > 0) {

@@ -25,6 +25,7 @@ struct BackwardGeometry {
   std::int64_t q_rows = 0;  // token rows of Q: B * Sq batched, total_q varlen
   int heads_q = 0, head_dim = 0;
   std::int64_t columns = 0;  // B * Hs * max_kv_tiles
+  std::int64_t ctas = 0;  // the main kernel's CTAs: B * Hkv * max_kv_tiles
   int column_capacity = 0;  // max_q_tiles
   std::int64_t semaphores = 0;  // B * Hq * max_q_tiles (deterministic dQ order)
   // 64-row tiles per query head of the tiled dQ accumulator (bwd/dq_tiles.hpp), 0 for the
@@ -37,7 +38,7 @@ struct BackwardGeometry {
 };
 
 // Device storage carved from one allocation: dQ accumulator (f32, tiled or [q_rows][Hq][D]), LSE * log2(e)
-// and delta [Hq][q_rows] f32, dQ order semaphores, column counts and records.
+// and delta [Hq][q_rows] f32, dQ order semaphores, column counts and records, the CTA order.
 struct BackwardWorkspace {
   float* dq_accum = nullptr;
   float* lse_log2 = nullptr;
@@ -45,6 +46,7 @@ struct BackwardWorkspace {
   std::int32_t* semaphores = nullptr;
   std::int32_t* column_counts = nullptr;
   ColumnRoute* columns = nullptr;
+  std::int32_t* cta_order = nullptr;  // [ctas]: the CTA each block runs, longest walks first
   BackwardGeometry geometry;
 
   static std::size_t bytes(const BackwardGeometry& g);

@@ -1,11 +1,11 @@
 #include "gpu/prepare_routes.hpp"
 
 #include <algorithm>
-#include <cub/block/block_scan.cuh>
 #include <type_traits>
 
 #include "bsattn/route/prepare.hpp"
 #include "gpu/fwd/timeline.cuh"
+#include "gpu/work_order.cuh"
 
 // tests/gpu/emulation runs the kernels' logic on the host.
 #if defined(BSATTN_GPU_HOST_EMULATION)
@@ -230,41 +230,11 @@ __global__ void derive_offsets_kernel(const route::RouteParams p, std::int32_t* 
   route::varlen_block_offsets(p, cu_m, cu_idx);
 }
 
-// Counting sort of the route rows into the work order, in one block (a few microseconds for
-// thousands of rows): by row group (RowOrder: the rows whose tiles read one KV head's K/V), then by
-// route count, longest first. A group's tiles then run at the same time and find their K/V in L2
-// (the K/V of one KV head at S = 32768 is 17 MB; of eight, more than L2 holds), and each group
-// still ends with its shortest rows, so that the last group's fill the tail (bins:
-// prepare_routes.hpp). The order inside a bin is whatever the atomics give, which changes the schedule
-// but never a result.
-constexpr int kOrderThreads = kOrderBins / 2;  // two bins per thread in the scan
-
-__global__ void __launch_bounds__(kOrderThreads) order_rows_kernel(const std::int32_t* counts, int rows,
-                                                                   RowOrder groups, std::int32_t* order) {
-  using Scan = cub::BlockScan<int, kOrderThreads>;
-  __shared__ typename Scan::TempStorage scan;
-  __shared__ int start[kOrderBins];  // histogram, then the first position of each bin
-  const int group_count = (rows + groups.rows_per_group - 1) / groups.rows_per_group;
-  const int group_bins = min(group_count, kOrderGroups);
-  const int count_bins = kOrderBins / group_bins;
-  const auto bin = [&](int r) {
-    const int group = static_cast<int>(static_cast<long long>(r / groups.rows_per_group) * group_bins / group_count);
-    const int level = min(static_cast<int>(static_cast<long long>(counts[r]) * count_bins / (groups.max_count + 1)),
-                          count_bins - 1);
-    return group * count_bins + count_bins - 1 - level;  // longest first
-  };
-  for (int i = threadIdx.x; i < kOrderBins; i += kOrderThreads) start[i] = 0;
-  __syncthreads();
-  for (int r = threadIdx.x; r < rows; r += kOrderThreads) atomicAdd(&start[bin(r)], 1);
-  __syncthreads();
-  int pair[2] = {start[2 * threadIdx.x], start[2 * threadIdx.x + 1]};
-  Scan(scan).ExclusiveSum(pair, pair);
-  __syncthreads();
-  start[2 * threadIdx.x] = pair[0];
-  start[2 * threadIdx.x + 1] = pair[1];
-  __syncthreads();
-  for (int r = threadIdx.x; r < rows; r += kOrderThreads) order[atomicAdd(&start[bin(r)], 1)] = r;
-}
+// A route row's work: its route count.
+struct RouteCounts {
+  const std::int32_t* counts;
+  __device__ int operator()(int row) const { return counts[row]; }
+};
 
 }  // namespace
 
@@ -281,7 +251,8 @@ RowOrder row_order_groups(const route::RouteParams& p) {
 cudaError_t order_rows(const std::int32_t* counts, int rows, RowOrder groups, std::int32_t* order,
                        cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  BSATTN_LAUNCH(order_rows_kernel, 1, kOrderThreads, 0, stream, counts, rows, groups, order);
+  BSATTN_LAUNCH(order_by_work_kernel<RouteCounts>, 1, kOrderThreads, 0, stream, RouteCounts{counts}, rows, groups,
+                order);
   return cudaGetLastError();
 }
 

@@ -26,7 +26,8 @@ constexpr int kValuesInvalidWord = 6;
 cudaError_t prepare_routes(const AttentionParams& params, route::Route* routes, std::int32_t* counts,
                            std::int32_t* overflow, cudaStream_t stream, std::int32_t* proxy_counts = nullptr);
 
-// The work order of the persistent attention kernel: route rows grouped by the K/V they read
+// The work order of the persistent attention kernel (work_order.cuh, which the backward's CTA
+// order shares with its own groups): route rows grouped by the K/V they read
 // (`rows_per_group` consecutive rows: one (b, KV head), or one (b, sparsity head) where a
 // sparsity head spans several KV heads), longest first inside a group. `max_count`: the most
 // routes a row can have (the plan's capacity).

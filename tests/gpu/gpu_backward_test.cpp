@@ -456,8 +456,14 @@ TEST(GpuBackwardHost, ColumnWalkCoversEveryRouteOnce) {
             if (n_valid == 0) continue;                  // it walks nothing then (stores zeros)
             const StepWalk walk = StepWalk::for_cta(p, column_entries.data(), column_counts.data(), kv_tiles, b, hkv,
                                                     kv_tile, si.seqlen_q);
+            // The launch order's block -> CTA mapping and its work: the column entries walked.
+            const int item = (b * p.heads_kv + hkv) * kv_tiles + kv_tile;
+            const bsattn::gpu::bwd::Cta cta = bsattn::gpu::bwd::Cta::of(item, kv_tiles, p.heads_kv);
+            EXPECT_TRUE(cta.b == b && cta.hkv == hkv && cta.kv_tile == kv_tile) << "item " << item;
+            std::set<std::pair<int, int>> entries;  // (head, record)
             bsattn::gpu::bwd::Step s;
             for (bool ok = walk.first(s); ok;) {
+              entries.insert({s.head, s.record});
               EXPECT_EQ(s.q0, s.route.q_tile * p.tile_m + s.sub * 64);
               walked.insert({b, s.head, s.route.q_tile, kv_tile, s.sub, s.route.rows, s.route.masked, s.route.position});
               // The consumers' own test for the end of a column entry (the deterministic dQ
@@ -468,6 +474,9 @@ TEST(GpuBackwardHost, ColumnWalkCoversEveryRouteOnce) {
               s = next;
               ok = more;
             }
+            const auto work = bsattn::gpu::bwd::CtaWork::of(p, kv_tiles, column_counts.data());
+            EXPECT_EQ(work(item), static_cast<int>(entries.size())) << "CTA work of item " << item;
+            EXPECT_LE(work(item), work.order_groups().max_count);
           }
         const StepWalk units = StepWalk::for_cta(p, nullptr, nullptr, kv_tiles, b, 0, 0, si.seqlen_q);
         for (int h = 0; h < p.heads_q; ++h) {

@@ -8,21 +8,21 @@
 
 namespace bsattn::gpu::bwd {
 
-// row0: the accumulator's first KV row (sequence-local); n_store: how many of its rows to store.
+// row0_offset: the element offset of the accumulator's first KV row; n_store: how many of its
+// rows to store.
 template <class T, class Acc>
 __device__ __forceinline__ void store_dkv(const Acc& acc, int consumer_tid, const BackwardParams& g,
-                                          const route::SeqInfo& si, int b, int hkv, int row0, int n_store, bool dk) {
+                                          std::int64_t row0_offset, int n_store, bool dk) {
   typename T::MmaDKV mma;
   Tensor c = mma.get_thread_slice(consumer_tid % 128).partition_C(make_identity_tensor(Shape<_64, Int<T::kHeadDim>>{}));
   void* dst = dk ? g.dk : g.dv;
-  const TokenStrides& strides = dk ? g.dk_strides : g.dv_strides;
+  const std::int64_t token_stride = dk ? g.dk_strides.token : g.dv_strides.token;
   const ElementType type = dk ? g.dk_type : g.dv_type;
   const float factor = dk ? g.fwd.scale : 1.0f;
   CUTE_UNROLL
   for (int e = 0; e < size(acc); ++e) {
     const int row = get<0>(c(e));
-    if (row < n_store)
-      store_element(dst, g.kv_like_offset(strides, b, si, row0 + row, hkv) + get<1>(c(e)), type, acc(e) * factor);
+    if (row < n_store) store_element(dst, row0_offset + row * token_stride + get<1>(c(e)), type, acc(e) * factor);
   }
 }
 

@@ -85,16 +85,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   const AttentionParams& a = g.fwd;
   const route::RouteParams& p = a.route;
-  const int kv_tile = blockIdx.x, hkv = blockIdx.y, b = blockIdx.z;
-  const route::SeqInfo si = route::seq_info(p, b);
-  const int k0 = kv_tile * p.tile_n;
-  // K/V rows the sequence owns: with seqused_k a packed sequence is longer than its attended
-  // part, and that tail gets zero gradients (as on the CPU engine).
-  const int owned = p.varlen_kv ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : si.seqlen_kv;
-  const int n_valid = max(0, min(p.tile_n, si.seqlen_kv - k0));
+  const int item = deterministic ? static_cast<int>(blockIdx.x) : ws.cta_order[blockIdx.x];
+  const CtaExtent cta = CtaExtent::of(p, item, max_kv_tiles);
+  const int kv_tile = cta.kv_tile, hkv = cta.hkv, b = cta.b, k0 = cta.k0, n_valid = cta.n_valid;
+  const route::SeqInfo& si = cta.si;
   // A tile with routes is walked even past the owned rows (unvalidated lengths): the
   // deterministic dQ order waits for every route of a row.
-  if (k0 >= owned && n_valid == 0) return;
+  if (k0 >= cta.owned && n_valid == 0) return;
   const int tid = threadIdx.x;
   if (tid == 0) {
     CUTE_UNROLL
@@ -103,6 +100,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       Barrier::init(&st.empty[s], T::kConsumerThreads / 32);  // the consumer warps
     }
     Barrier::init(&st.kv_full, T::kProducerThreads);
+    st.dkv_target = {g.kv_like_offset(g.dk_strides, b, si, k0, hkv), g.kv_like_offset(g.dv_strides, b, si, k0, hkv),
+                     max(0, min(p.tile_n, cta.owned - k0))};
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -299,13 +298,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   }
   if constexpr (T::kDqBulk)
     if (wg >= T::kDqWarpgroup0 && dq_bulk_leader(ctid - 128 * T::kDqWarpgroup0)) fwd::bulk_store_wait<false>();
-  const int n_owned = max(0, min(p.tile_n, owned - k0));
+  const volatile DkvTarget& target = st.dkv_target;
+  const int n_owned = target.rows;
   if constexpr (T::kOwnRows) {
     const int row0 = 64 * wg;
-    store_dkv<T>(acc_dkv, ctid, g, si, b, hkv, k0 + row0, n_owned - row0, false);
-    store_dkv<T>(acc_dk, ctid, g, si, b, hkv, k0 + row0, n_owned - row0, true);
+    store_dkv<T>(acc_dkv, ctid, g, target.dv + row0 * g.dv_strides.token, n_owned - row0, false);
+    store_dkv<T>(acc_dk, ctid, g, target.dk + row0 * g.dk_strides.token, n_owned - row0, true);
+  } else if (wg == 1) {
+    store_dkv<T>(acc_dkv, ctid, g, target.dk, n_owned, true);
   } else {
-    store_dkv<T>(acc_dkv, ctid, g, si, b, hkv, k0, n_owned, wg == 1);
+    store_dkv<T>(acc_dkv, ctid, g, target.dv, n_owned, false);
   }
 #endif
 }
@@ -316,7 +318,7 @@ cudaError_t launch_kernel(const BackwardParams& g, const BackwardWorkspace& ws, 
   const AttentionParams& a = g.fwd;
   const route::RouteParams& p = a.route;
   const int max_kv_tiles = route::ceil_div(p.max_seqlen_kv, p.tile_n);
-  const dim3 grid(max_kv_tiles, p.heads_kv, p.batch);
+  const dim3 grid(static_cast<unsigned>(ws.geometry.ctas));  // Cta::of(order[block])
   // Q and dO maps (memoised encodes: a training loop on the same tensors copies them).
   StepMaps maps{};
   const fwd::EncodeTiled encode = fwd::tensor_map_encoder();

@@ -5,8 +5,61 @@
 #pragma once
 #include "bsattn/attention_params.hpp"
 #include "gpu/backward.hpp"
+#include "gpu/prepare_routes.hpp"
 
 namespace bsattn::gpu::bwd {
+
+// The CTA a block runs: item (b * Hkv + hkv) * max_kv_tiles + kv_tile, KV tile fastest (the
+// block order of deterministic mode).
+struct Cta {
+  int b, hkv, kv_tile;
+  BSATTN_HD static Cta of(int item, int max_kv_tiles, int heads_kv) {
+    const int bh = item / max_kv_tiles;
+    return {bh / heads_kv, bh % heads_kv, item % max_kv_tiles};
+  }
+};
+
+// What the kernel derives from its CTA: coordinates, the sequence, the KV tile's rows.
+struct CtaExtent : Cta {
+  route::SeqInfo si;
+  int k0;       // first KV row of the tile
+  int n_valid;  // rows of the tile inside the sequence's attended K/V
+  // K/V rows the sequence owns: with seqused_k a packed sequence is longer than its attended
+  // part, and that tail gets zero gradients (as on the CPU engine).
+  int owned;
+  BSATTN_HD static CtaExtent of(const route::RouteParams& p, int item, int max_kv_tiles) {
+    CtaExtent e;
+    static_cast<Cta&>(e) = Cta::of(item, max_kv_tiles, p.heads_kv);
+    e.si = route::seq_info(p, e.b);
+    e.k0 = e.kv_tile * p.tile_n;
+    const int rows_left = e.si.seqlen_kv - e.k0;
+    e.n_valid = rows_left < 0 ? 0 : rows_left < p.tile_n ? rows_left : p.tile_n;
+    e.owned = p.varlen_kv ? p.cu_seqlens_k[e.b + 1] - p.cu_seqlens_k[e.b] : e.si.seqlen_kv;
+    return e;
+  }
+};
+
+// A CTA's work for the launch order (work_order.cuh): the column entries its walk visits, over the
+// query heads of its KV head's group (each entry is one or tile_m / 64 steps alike).
+struct CtaWork {
+  const std::int32_t* counts;  // column counts
+  int max_kv_tiles, heads_kv, sparsity_heads, group, heads_per_sparsity_head, max_q_tiles;
+
+  static CtaWork of(const route::RouteParams& p, int max_kv_tiles, const std::int32_t* counts) {
+    return {counts, max_kv_tiles, p.heads_kv, p.sparsity_heads, p.heads_q / p.heads_kv, p.heads_q / p.sparsity_heads,
+            p.max_q_tiles};
+  }
+  // Groups: one (b, KV head), whose CTAs read the same Q and dO.
+  RowOrder order_groups() const { return {max_kv_tiles, group * max_q_tiles}; }
+  BSATTN_HD int operator()(int item) const {
+    const Cta c = Cta::of(item, max_kv_tiles, heads_kv);
+    int entries = 0;
+    for (int h = c.hkv * group; h < (c.hkv + 1) * group; ++h)
+      entries += counts[(static_cast<std::int64_t>(c.b) * sparsity_heads + h / heads_per_sparsity_head) * max_kv_tiles +
+                        c.kv_tile];
+    return entries;
+  }
+};
 
 struct Step {
   int head;    // query head

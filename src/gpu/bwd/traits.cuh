@@ -20,6 +20,15 @@
 
 namespace bsattn::gpu::bwd {
 
+// Where a CTA's dK and dV go: the element offsets of its KV tile's first row (column 0) in dk and
+// dv, and how many of the tile's rows the sequence owns. Written to shared memory by the prologue
+// and read back by the epilogue, so that nothing of it stays in registers across the step loop
+// (the consumers' 232 registers are full there).
+struct DkvTarget {
+  std::int64_t dk, dv;
+  int rows;
+};
+
 using namespace cute;
 using fwd::cp_async_16;
 using fwd::cp_async_4;
@@ -134,6 +143,7 @@ struct Traits {
     float lse_log2[kStages][64];
     float delta[kStages][64];
     Step step[kStages];  // the stage's step, from the producer; head < 0: the walk has ended
+    DkvTarget dkv_target;  // the CTA's dK / dV rows, for the epilogue
     alignas(8) std::uint64_t full[kStages], empty[kStages], kv_full;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + base alignment
