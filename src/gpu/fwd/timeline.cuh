@@ -55,7 +55,7 @@ enum BackwardEvent : int {
   kBwdStepDone,        // dK / dV complete, the stage about to be released
   kBwdEvents
 };
-constexpr int kBwdTimelineCtas = 256;  // by linear block index: (KV tile, KV head, batch)
+constexpr int kBwdTimelineCtas = 256;  // by linear block index: the first CTAs of the launch order
 constexpr int kBwdTimelineSteps = 64;  // first steps of a CTA
 constexpr std::size_t kTimelineBackwardOffset = 2 * kTimelineRegionWords + static_cast<std::size_t>(kTimelineCtas) * kTimelineTiles * 3;
 
