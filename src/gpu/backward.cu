@@ -110,14 +110,17 @@ cudaError_t run_backward(const BackwardParams& g, const BackwardWorkspace& ws, c
   if (!f || block_n == 0) return cudaErrorInvalidValue;
   const BackwardGeometry& geo = ws.geometry;
   const std::int64_t q_values = geo.q_rows * geo.heads_q;
-  cudaError_t e = cudaMemsetAsync(ws.dq_accum, 0, static_cast<std::size_t>(geo.dq_accum_floats()) * sizeof(float), stream);
-  if (e == cudaSuccess && deterministic)
-    e = cudaMemsetAsync(ws.semaphores, 0, static_cast<std::size_t>(geo.semaphores) * sizeof(std::int32_t), stream);
-  if (e != cudaSuccess) return e;
-  if (q_values > 0) {
+  cudaError_t e = cudaSuccess;
+  if (deterministic &&
+      (e = cudaMemsetAsync(ws.semaphores, 0, static_cast<std::size_t>(geo.semaphores) * sizeof(std::int32_t), stream)) !=
+          cudaSuccess)
+    return e;
+  if (q_values > 0) {  // without Q rows nothing reads the accumulator
     const std::int64_t rows_per_block = 32 * bwd::kRowWarps / bwd::preprocess_lanes(geo.head_dim);
     bwd::preprocess_kernel<<<static_cast<unsigned>((q_values + rows_per_block - 1) / rows_per_block),
-                             32 * bwd::kRowWarps, 0, stream>>>(g, geo.q_rows, ws.lse_log2, ws.delta);
+                             32 * bwd::kRowWarps, 0, stream>>>(g, geo.q_rows, ws.lse_log2, ws.delta,
+                                                               reinterpret_cast<float4*>(ws.dq_accum),
+                                                               geo.dq_accum_floats() / 4);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
   }
   if (geo.columns > 0) {

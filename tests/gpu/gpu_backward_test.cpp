@@ -465,6 +465,7 @@ TEST(GpuBackwardHost, ColumnWalkCoversEveryRouteOnce) {
             for (bool ok = walk.first(s); ok;) {
               entries.insert({s.head, s.record});
               EXPECT_EQ(s.q0, s.route.q_tile * p.tile_m + s.sub * 64);
+              EXPECT_EQ(s.units, walk.step_units(s.sub));
               walked.insert({b, s.head, s.route.q_tile, kv_tile, s.sub, s.route.rows, s.route.masked, s.route.position});
               // The consumers' own test for the end of a column entry (the deterministic dQ
               // order) against the walk's next step.

@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     if (step.head < 0) break;
     const auto mark = [&](int event) { fwd::timeline_step(timeline, i, warpgroup, event); };
     mark(fwd::kBwdStageFull);
-    const unsigned units = walk.step_units(step.sub);
+    const unsigned units = step.units;
     const int buffer = i % 2;  // P's and dS's double buffers
 
     // Thread-dependent operand views are derived per step from an opaque thread index: hoisted

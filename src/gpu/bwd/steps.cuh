@@ -67,6 +67,8 @@ struct Step {
   int sub;     // 64-row step of the Q tile
   ColumnRoute route;
   int q0;      // first query row of the step (sequence-local)
+  unsigned units;  // the Q tile's units that overlap the step's rows (step_units: a division the
+                   // consumers then do not repeat per step)
 };
 
 struct StepWalk {
@@ -114,9 +116,11 @@ struct StepWalk {
         for (; s.sub * 64 < tile_m; ++s.sub) {
           const int q0 = r.q_tile * tile_m + s.sub * 64;
           if (q0 >= seqlen_q) break;
-          if (r.rows & step_units(s.sub)) {
+          const unsigned units = step_units(s.sub);
+          if (r.rows & units) {
             s.route = r;
             s.q0 = q0;
+            s.units = units;
             return true;
           }
         }
