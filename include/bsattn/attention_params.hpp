@@ -52,6 +52,9 @@ struct AttentionParams {
   // GPU work order: route rows, longest first, and the counter persistent CTAs claim work from
   // (zero before each launch). The CPU engine does not use them.
   const std::int32_t* row_order = nullptr;  // null: index order (work items do not queue)
+  // With row_order: how many of its rows lie in their sequences (device; null: all). The rest,
+  // ordered last, are never visited (a Q tile past its sequence's end writes nothing).
+  const std::int32_t* live_rows = nullptr;
   std::int32_t* work_counter = nullptr;
   // GPU: no route preparation ran; each route row's routes are every KV tile up to its last
   // visible key (route::routes_follow_lengths, prefix_tiles), made by the kernel itself.

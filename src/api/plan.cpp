@@ -466,10 +466,15 @@ void Plan::Impl::run_gpu(const Inputs& inputs, const Outputs& outputs, Stream st
   // host time).
   a.routes_from_lengths = items_fit && route::routes_follow_lengths(p);
   prepare_gpu_routes(a, stream, !a.routes_from_lengths);
-  if (!items_fit)
-    cuda_check(gpu::order_rows(ws.counts, a.route_rows, gpu::row_order_groups(p), ws.row_order, s), "order_rows");
-  else
+  if (!items_fit) {
+    std::int32_t* live_rows = ws.overflow + gpu::kLiveRowsWord;
+    cuda_check(gpu::order_rows(ws.counts, a.route_rows, gpu::row_order_groups(p), ws.row_order, s, &p, live_rows),
+               "order_rows");
+    a.live_rows = live_rows;
+  } else {
     a.row_order = nullptr;
+    a.live_rows = nullptr;
+  }
   if (problem.validate) check_gpu(stream, &inputs);
   // Token extents of Q and K/V (the bounds of the kernel's bulk tensor copies).
   gpu::TokenExtents extents;

@@ -136,7 +136,7 @@ cudaError_t run_backward(const BackwardParams& g, const BackwardWorkspace& ws, c
     if (!deterministic) {
       const bwd::CtaWork work = bwd::CtaWork::of(a.route, max_kv_tiles, ws.column_counts);
       order_by_work_kernel<<<1, kOrderThreads, 0, stream>>>(work, static_cast<int>(geo.ctas), work.order_groups(),
-                                                             ws.cta_order);
+                                                             ws.cta_order, nullptr);
       if ((e = cudaGetLastError()) != cudaSuccess) return e;
     }
     if ((e = f(&g, block_n, ws, overflow, deterministic, stream)) != cudaSuccess) return e;

@@ -230,10 +230,19 @@ __global__ void derive_offsets_kernel(const route::RouteParams p, std::int32_t* 
   route::varlen_block_offsets(p, cu_m, cu_idx);
 }
 
-// A route row's work: its route count.
-struct RouteCounts {
+// A route row's work: its route count; live unless its Q tile starts past its sequence's end
+// (checked only with `check_live`).
+struct RouteRows {
   const std::int32_t* counts;
+  route::RouteParams p;
+  bool check_live;
   __device__ int operator()(int row) const { return counts[row]; }
+  __device__ bool live(int row) const {
+    if (!check_live) return true;
+    const route::RowCoordinates rc = route::row_coordinates(p, row);
+    const int seqlen_q = p.varlen_q ? p.cu_seqlens_q[rc.b + 1] - p.cu_seqlens_q[rc.b] : p.max_seqlen_q;
+    return rc.q_tile * p.tile_m < seqlen_q;
+  }
 };
 
 }  // namespace
@@ -249,10 +258,10 @@ RowOrder row_order_groups(const route::RouteParams& p) {
 }
 
 cudaError_t order_rows(const std::int32_t* counts, int rows, RowOrder groups, std::int32_t* order,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const route::RouteParams* route, std::int32_t* live_rows) {
   if (rows == 0) return cudaSuccess;
-  BSATTN_LAUNCH(order_by_work_kernel<RouteCounts>, 1, kOrderThreads, 0, stream, RouteCounts{counts}, rows, groups,
-                order);
+  const RouteRows work{counts, route ? *route : route::RouteParams{}, route != nullptr};
+  BSATTN_LAUNCH(order_by_work_kernel<RouteRows>, 1, kOrderThreads, 0, stream, work, rows, groups, order, live_rows);
   return cudaGetLastError();
 }
 

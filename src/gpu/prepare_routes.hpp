@@ -15,9 +15,11 @@ namespace bsattn::gpu {
 // and finished blocks. Each launch leaves [2..5] zero again (the last route block publishes [0, 1]
 // from [3, 4]; the forward kernel's last claim resets [2]), so a run needs no memset before it
 // (a launch and a stream dependency less per run: issue 14's host time). [6]: the device value
-// checks' verdict (gpu/check_values.hpp), written only by runs with validate = true.
-constexpr int kRouteFlagWords = 7;
+// checks' verdict (gpu/check_values.hpp), written only by runs with validate = true. [7]: how many
+// rows of the work order lie in their sequences (order_rows), for the forward kernel.
+constexpr int kRouteFlagWords = 8;
 constexpr int kValuesInvalidWord = 6;
+constexpr int kLiveRowsWord = 7;
 
 // Fills params.routes / params.route_counts (device pointers) for every route row and writes the
 // overflow flag: `overflow` points at the kRouteFlagWords flags.
@@ -39,11 +41,17 @@ struct RowOrder {
 // groups together), each of kOrderBins / ranges bins of route counts scaled by max_count.
 constexpr int kOrderBins = 2048;
 constexpr int kOrderGroups = 16;
+// Count bins per group range; the last bin of all holds the items with nothing to do.
+BSATTN_HD constexpr int order_count_bins(int group_ranges) { return (kOrderBins - 1) / group_ranges; }
 RowOrder row_order_groups(const route::RouteParams& route);
 
-// Writes the route rows into `order` ([rows], device) in that order.
+// Writes the route rows into `order` ([rows], device) in that order. With `route` (else every
+// row counts as live), the rows whose Q tile starts past their sequence's end (varlen: the rows a
+// short sequence leaves empty up to max_q_tiles) go last, and `live_rows` (device, if not null)
+// receives how many rows precede them.
 cudaError_t order_rows(const std::int32_t* counts, int rows, RowOrder groups, std::int32_t* order,
-                       cudaStream_t stream);
+                       cudaStream_t stream, const route::RouteParams* route = nullptr,
+                       std::int32_t* live_rows = nullptr);
 
 // Derives cu_total_m_blocks and cu_block_idx_offsets ([B+1] each, device) from the sequence
 // lengths in `route` (SPEC §3.2) without a host sync.

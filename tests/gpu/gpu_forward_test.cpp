@@ -248,46 +248,85 @@ TEST(GpuRoutes, DeviceMatchesHost) {
 
 // The work order: a permutation of the rows, grouped by KV group (rows_per_group consecutive rows;
 // more groups than the sort's bins share a range, in order), longest first inside a group up to
-// the count scaling (counts within max_count / bins of each other may swap).
+// the count scaling (counts within max_count / bins of each other may swap). Given the route
+// parameters, the rows whose Q tile starts past their sequence's end (varlen sequences shorter
+// than the longest, some empty) come after all others, and the live-rows word counts the rest.
 TEST(GpuRoutes, WorkOrderGroupsByKvThenLongestFirst) {
   REQUIRE_SM90();
   std::mt19937 rng(31);
+  const auto uni = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   const int shapes[][3] = {{4096, 1024, 40}, {8192, 256, 256}, {777, 37, 1000}, {50000, 100, 64}, {5, 5, 3}};
-  for (const auto& shape : shapes) {
-    const int rows = shape[0];
-    bsattn::gpu::RowOrder groups;
-    groups.rows_per_group = shape[1];
-    groups.max_count = shape[2];
-    SCOPED_TRACE("rows " + std::to_string(rows) + " per group " + std::to_string(shape[1]));
-    std::vector<std::int32_t> counts(rows), order(rows, -1);
-    for (auto& c : counts) c = std::uniform_int_distribution<int>(0, groups.max_count)(rng);
-    std::int32_t *d_counts = nullptr, *d_order = nullptr;
-    CUDA_OK(cudaMalloc(&d_counts, rows * sizeof(std::int32_t)));
-    CUDA_OK(cudaMalloc(&d_order, rows * sizeof(std::int32_t)));
-    CUDA_OK(cudaMemcpy(d_counts, counts.data(), rows * sizeof(std::int32_t), cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemset(d_order, 0xff, rows * sizeof(std::int32_t)));
-    CUDA_OK(bsattn::gpu::order_rows(d_counts, rows, groups, d_order, nullptr));
-    CUDA_OK(cudaMemcpy(order.data(), d_order, rows * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaFree(d_counts));
-    CUDA_OK(cudaFree(d_order));
-    std::vector<int> seen(rows, 0);
-    for (int r : order) {
-      ASSERT_TRUE(r >= 0 && r < rows) << r;
-      ++seen[r];
+  for (const auto& shape : shapes)
+    for (const bool with_route : {false, true}) {
+      int rows = shape[0];
+      bsattn::gpu::RowOrder groups;
+      groups.rows_per_group = shape[1];
+      groups.max_count = shape[2];
+      // with_route: varlen sequences of 1-6 x 64 tokens (or none) under tile_m 64, max_q_tiles = rows_per_group.
+      bsattn::route::RouteParams p;
+      std::vector<std::int32_t> cu;
+      if (with_route) {
+        p.batch = std::max(1, rows / groups.rows_per_group);
+        p.heads_q = p.heads_kv = p.sparsity_heads = 1;
+        p.tile_m = 64;
+        p.varlen_q = true;
+        p.max_q_tiles = groups.rows_per_group;
+        cu.assign(p.batch + 1, 0);
+        for (int b = 0; b < p.batch; ++b)
+          cu[b + 1] = cu[b] + (uni(0, 4) == 0 ? 0 : uni(1, 64 * groups.rows_per_group));
+        p.max_seqlen_q = 64 * groups.rows_per_group;
+        rows = p.batch * p.max_q_tiles;
+      }
+      SCOPED_TRACE("rows " + std::to_string(rows) + " per group " + std::to_string(shape[1]) +
+                   (with_route ? ", live rows" : ""));
+      std::vector<std::int32_t> counts(rows), order(rows, -1);
+      for (auto& c : counts) c = uni(0, groups.max_count);
+      std::int32_t *d_counts = nullptr, *d_order = nullptr, *d_cu = nullptr, *d_live = nullptr;
+      CUDA_OK(cudaMalloc(&d_counts, rows * sizeof(std::int32_t)));
+      CUDA_OK(cudaMalloc(&d_order, rows * sizeof(std::int32_t)));
+      CUDA_OK(cudaMalloc(&d_live, sizeof(std::int32_t)));
+      CUDA_OK(cudaMemcpy(d_counts, counts.data(), rows * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemset(d_order, 0xff, rows * sizeof(std::int32_t)));
+      CUDA_OK(cudaMemset(d_live, 0xff, sizeof(std::int32_t)));
+      if (with_route) {
+        CUDA_OK(cudaMalloc(&d_cu, cu.size() * sizeof(std::int32_t)));
+        CUDA_OK(cudaMemcpy(d_cu, cu.data(), cu.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+        p.cu_seqlens_q = d_cu;
+        CUDA_OK(bsattn::gpu::order_rows(d_counts, rows, groups, d_order, nullptr, &p, d_live));
+      } else {
+        CUDA_OK(bsattn::gpu::order_rows(d_counts, rows, groups, d_order, nullptr));
+      }
+      std::int32_t live_word = -1;
+      CUDA_OK(cudaMemcpy(order.data(), d_order, rows * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(&live_word, d_live, sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+      for (std::int32_t* d : {d_counts, d_order, d_cu, d_live}) CUDA_OK(cudaFree(d));
+      const auto live = [&](int row) {
+        return !with_route || (row % p.max_q_tiles) * p.tile_m < cu[row / p.max_q_tiles + 1] - cu[row / p.max_q_tiles];
+      };
+      int live_rows = 0;
+      for (int r = 0; r < rows; ++r) live_rows += live(r) ? 1 : 0;
+      if (with_route) EXPECT_EQ(live_word, live_rows);
+      else EXPECT_EQ(live_word, -1) << "the live-rows word written without being asked for";
+      std::vector<int> seen(rows, 0);
+      for (int i = 0; i < rows; ++i) {
+        const int r = order[i];
+        ASSERT_TRUE(r >= 0 && r < rows) << r;
+        ++seen[r];
+        ASSERT_EQ(live(r), i < live_rows) << "position " << i << ": row " << r;
+      }
+      for (int r = 0; r < rows; ++r) ASSERT_EQ(seen[r], 1) << "row " << r;
+      const int group_count = (rows + groups.rows_per_group - 1) / groups.rows_per_group;
+      const int bins = std::min(group_count, bsattn::gpu::kOrderGroups);
+      // One count bin of the sort: counts this close may come in either order.
+      const double tolerance = static_cast<double>(groups.max_count + 1) / bsattn::gpu::order_count_bins(bins);
+      for (int i = 1; i < live_rows; ++i) {
+        const int a = order[i - 1], b = order[i];
+        const long long range_a = static_cast<long long>(a / groups.rows_per_group) * bins / group_count;
+        const long long range_b = static_cast<long long>(b / groups.rows_per_group) * bins / group_count;
+        ASSERT_LE(range_a, range_b) << "position " << i;
+        if (range_a == range_b) ASSERT_GE(counts[a] + tolerance, counts[b]) << "position " << i;
+      }
     }
-    for (int r = 0; r < rows; ++r) ASSERT_EQ(seen[r], 1) << "row " << r;
-    const int group_count = (rows + groups.rows_per_group - 1) / groups.rows_per_group;
-    const int bins = std::min(group_count, bsattn::gpu::kOrderGroups);
-    // One count bin of the sort: counts this close may come in either order.
-    const double tolerance = static_cast<double>(groups.max_count + 1) / (bsattn::gpu::kOrderBins / bins);
-    for (int i = 1; i < rows; ++i) {
-      const int a = order[i - 1], b = order[i];
-      const long long range_a = static_cast<long long>(a / groups.rows_per_group) * bins / group_count;
-      const long long range_b = static_cast<long long>(b / groups.rows_per_group) * bins / group_count;
-      ASSERT_LE(range_a, range_b) << "position " << i;
-      if (range_a == range_b) ASSERT_GE(counts[a] + tolerance, counts[b]) << "position " << i;
-    }
-  }
 }
 
 // run() captured in a CUDA graph, replayed after the metadata values changed in place, gives

@@ -51,6 +51,8 @@ struct CtaWork {
   }
   // Groups: one (b, KV head), whose CTAs read the same Q and dO.
   RowOrder order_groups() const { return {max_kv_tiles, group * max_q_tiles}; }
+  // Every CTA is launched (the grid is the plan's); one past its sequence's keys exits at once.
+  BSATTN_HD bool live(int) const { return true; }
   BSATTN_HD int operator()(int item) const {
     const Cta c = Cta::of(item, max_kv_tiles, heads_kv);
     int entries = 0;

@@ -60,7 +60,7 @@ __device__ __forceinline__ void run_tile_warp(const TileHandoff& handoff, Tile (
     if (__shfl_sync(0xffffffffu, lane == 0 ? slot.written : 0, 0))
       barrier_sync(TileHandoff::kEmpty + s, handoff.threads);
     if (lane == 0) {
-      const int items = work_items(a, item_heads, splits);
+      const int items = live_work_items(a, item_heads, splits);
       const int item = !prev.written ? first_item<kPair>() : next_item<kPair>(a, prev.item, items);
       if (item < items) place_tile(a, item, item_heads, slot, splits);
       else slot.row = -1;  // no more work

@@ -21,6 +21,14 @@ __host__ __device__ __forceinline__ int work_items(const AttentionParams& a, int
   return a.route_rows * (a.route.heads_q / a.route.sparsity_heads / heads_per_tile) * splits;
 }
 
+// The work items a kernel visits: those of the work order's live rows (AttentionParams::live_rows,
+// read on the device once its preparation has run).
+__device__ __forceinline__ int live_work_items(const AttentionParams& a, int heads_per_tile, int splits = 1) {
+  const int items = work_items(a, heads_per_tile, splits);
+  if (!a.row_order || !a.live_rows) return items;
+  return min(items, *a.live_rows * (a.route.heads_q / a.route.sparsity_heads / heads_per_tile) * splits);
+}
+
 // GQA packing applies when consecutive query-head pairs share both their sparsity head (same
 // routes) and their KV head (same K/V tiles).
 __host__ __device__ __forceinline__ bool packable_heads(const route::RouteParams& p) {
