@@ -44,6 +44,16 @@ int kernel_ctas_per_sm() {
 // tile_m 128 with 128-wide K/V tiles a CTA pair sharing its K/V loads (pair multicast). kProxy: the
 // kernels with proxy compensation (proxy.cuh), the pair included (a pair's two heads share their
 // routes, so their proxy windows too); no decode kernel.
+// Measurement switch (environment, read once): BSATTN_GPU_ROUTE_PAIRS=0 runs 64-wide routes one per
+// step in 128-row tiles, as before route pairs.
+inline bool route_pairs_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("BSATTN_GPU_ROUTE_PAIRS");
+    return !(v && v[0] == '0');
+  }();
+  return enabled;
+}
+
 template <ElementType kType, int kHeadDim, int kBlockN, bool kProxy, KernelKind kKind>
 cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, const int* overflow,
                         cudaStream_t stream, const DecodeShape* decode) {
@@ -64,6 +74,17 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
       } else if (packable_heads(a->route)) {
         const cudaError_t e = launch_forward_ws<Rows128Pair, kProxy>(a, extents, overflow, stream);
         if (e != cudaErrorNotSupported) return e;
+      }
+    }
+    if constexpr (kBlockN == 64 && kHeadDim <= 128 && !kProxy) {
+      // Routes of at most 64 tokens in pairs, as 128-wide steps (route pairs, traits.cuh), where the
+      // K/V tokens are addressed directly (a paged cache takes the 64-wide kernel).
+      using Rows128RoutePairs = Traits<Element, kHeadDim, 2, 128, 1, 2, false, false, 1, 2>;
+      if (!a) {
+        const cudaError_t e = launch_forward_ws<Rows128RoutePairs>(nullptr, extents, overflow, stream);
+        if (e != cudaSuccess) return e;
+      } else if (route_pairs_enabled() && !a->route.paged) {
+        return launch_forward_ws<Rows128RoutePairs>(a, extents, overflow, stream);
       }
     }
     return launch_forward_ws<Rows128, kProxy>(a, extents, overflow, stream);
