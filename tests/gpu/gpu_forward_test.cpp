@@ -148,23 +148,26 @@ void poison_element(Buffer* b, std::size_t valid_elems, float value, std::mt1993
   b->upload();
 }
 
-// Q blocks of 128 and KV blocks of at most 64 (D <= 128): the kernel takes the row's routes in
-// pairs, any two KV tiles side by side in one 128-wide step, the second half of a row's last step
-// empty (odd route counts) and zero-filled. Every format, each built-in mask, varlen, tails, GQA
-// and MHA, KV blocks of 64, 48 and 32 (routes narrower than the half); then NaN / inf in V, which
-// must reach exactly the rows that attend it (an empty half must not carry a stale stage's NaN).
-TEST(GpuForward, Rows128TilesPairTheirRoutes) {
+// KV blocks of at most 64 (D <= 128) under two consumer warpgroups (Q blocks of 128, or 64-row
+// tiles of two query heads): the kernel takes the row's routes in pairs, any two KV tiles side by
+// side in one 128-wide step, the second half of a row's last step empty (odd route counts) and
+// zero-filled. Every format, each built-in mask, varlen, tails, GQA and MHA, KV blocks of 64, 48
+// and 32 (routes narrower than the half); then NaN / inf in V, which must reach exactly the rows
+// that attend it (an empty half must not carry a stale stage's NaN).
+TEST(GpuForward, TwoWarpgroupTilesPairTheirRoutes) {
   REQUIRE_SM90();
   std::uint64_t seed = 9700;
-  for (int i = 0; i < 14; ++i) {
+  for (int i = 0; i < 20; ++i) {
     CaseSpec spec;
     const Sweep& s = kSweeps[i % 8];
     spec.format = s.format;
     spec.varlen = s.varlen;
-    spec.bq = 128;
-    spec.bk = i < 10 ? 64 : (i % 2 ? 32 : 48);
-    spec.hq = i % 3 == 0 ? 3 : 4;
-    spec.hkv = i % 3 == 0 ? 3 : i % 3 == 1 ? 2 : 1;
+    const bool packed = i >= 14;  // 64-row tiles, query-head pairs sharing routes and KV head
+    spec.bq = packed ? 64 : 128;
+    spec.bk = i < 10 || i == 14 || i == 16 ? 64 : (i % 2 ? 32 : 48);
+    spec.hq = packed ? 8 : i % 3 == 0 ? 3 : 4;
+    spec.hkv = packed ? 2 : i % 3 == 0 ? 3 : i % 3 == 1 ? 2 : 1;
+    if (packed) spec.sparsity_heads = i % 2 ? 2 : 1;
     spec.mask = i % 6;
     spec.head_dim = i % 4 == 3 ? 64 : 128;
     spec.dtype = i % 5 == 4 ? DType::f16 : DType::bf16;

@@ -36,7 +36,7 @@ struct Tile {
   int hkv;    // its KV head
   int b;      // sequence
   int q0;     // first query row (sequence-local)
-  int count;  // pipeline steps: exact routes (pairs of them: Traits::kRoutesPerStep), then proxy windows (0 for a tile past the sequence end)
+  int count;  // pipeline steps: exact routes (or pairs: Traits::kRoutesPerStep), then proxy windows (0 past the end)
   int first;  // pipeline position of the first route: routes of this CTA's earlier tiles
   int exact;  // exact routes (the proxy records follow them in the row)
   int proxies;  // proxy records (proxy kernels; else 0)
