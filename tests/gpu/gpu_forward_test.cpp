@@ -141,6 +141,70 @@ TEST(GpuForward, UnpackedRows64TilesTakeTwoRoutesPerBlock) {
   EXPECT_EQ(Plan(for_backward).tiles().tile_n, 128);
 }
 
+// One random element of `b` (of its first valid_elems) set to `value`, on the device too.
+void poison_element(Buffer* b, std::size_t valid_elems, float value, std::mt19937_64& rng) {
+  const std::size_t i = std::uniform_int_distribution<std::size_t>(0, valid_elems - 1)(rng);
+  b->as<std::uint16_t>()[i] = to_bits(value, b->dtype);
+  b->upload();
+}
+
+// KV blocks of at most 64 (D <= 128) under two consumer warpgroups (Q blocks of 128, or 64-row
+// tiles of two query heads): the kernel takes the row's routes in pairs, any two KV tiles side by
+// side in one 128-wide step, the second half of a row's last step empty (odd route counts) and
+// zero-filled. Every format, each built-in mask, varlen, tails, GQA and MHA, KV blocks of 64, 48
+// and 32 (routes narrower than the half); then NaN / inf in V, which must reach exactly the rows
+// that attend it (an empty half must not carry a stale stage's NaN).
+TEST(GpuForward, TwoWarpgroupTilesPairTheirRoutes) {
+  REQUIRE_SM90();
+  std::uint64_t seed = 9700;
+  for (int i = 0; i < 20; ++i) {
+    CaseSpec spec;
+    const Sweep& s = kSweeps[i % 8];
+    spec.format = s.format;
+    spec.varlen = s.varlen;
+    const bool packed = i >= 14;  // 64-row tiles, query-head pairs sharing routes and KV head
+    spec.bq = packed ? 64 : 128;
+    spec.bk = i < 10 || i == 14 || i == 16 ? 64 : (i % 2 ? 32 : 48);
+    spec.hq = packed ? 8 : i % 3 == 0 ? 3 : 4;
+    spec.hkv = packed ? 2 : i % 3 == 0 ? 3 : i % 3 == 1 ? 2 : 1;
+    if (packed) spec.sparsity_heads = i % 2 ? 2 : 1;
+    spec.mask = i % 6;
+    spec.head_dim = i % 4 == 3 ? 64 : 128;
+    spec.dtype = i % 5 == 4 ? DType::f16 : DType::bf16;
+    spec.density = i % 2 ? 0.3 : 0.6;
+    spec.max_seqlen = 300 + 61 * i;
+    spec.out_f32 = i == 6;
+    spec.seed = seed++;
+    check_against_cpu(spec);
+  }
+  const float kValues[] = {NAN, INFINITY, -INFINITY};
+  std::mt19937_64 rng(11);
+  std::size_t non_finite = 0;
+  for (int i = 0; i < 4; ++i) {
+    CaseSpec spec;
+    spec.format = i % 2 ? Format::bsr : Format::block_lists;
+    spec.bq = 128;
+    spec.bk = 64;
+    spec.mask = 0;
+    spec.density = 0.3;
+    spec.max_seqlen = 500 + 37 * i;
+    spec.seed = seed++;
+    auto c = make_case(spec);
+    SCOPED_TRACE(c->name + " (V)");
+    Buffer* v = c->v;
+    const std::int64_t tokens = v->shape[0] * v->shape[1];
+    const std::size_t per_token = static_cast<std::size_t>(v->shape[2] * v->shape[3]);
+    for (int n = 0; n < 2; ++n) poison_element(v, tokens * per_token, kValues[(i + n) % 3], rng);
+    {
+      Plan plan(c->problem);
+      plan.run(c->in_device, c->out_device, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+    }
+    non_finite += expect_same_non_finite(*c, download(*c), run_cpu(*c));
+  }
+  EXPECT_GT(non_finite, 0u) << "no poisoned element reached a row";
+}
+
 TEST(GpuForward, GqaAndMasks) {
   REQUIRE_SM90();
   const int heads[][2] = {{4, 4}, {4, 1}, {8, 2}};
@@ -491,12 +555,6 @@ TEST(GpuPlan, RejectsUnsupported) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("problem.scale"), std::string::npos) << e.what();
   }
-}
-
-void poison_element(Buffer* b, std::size_t valid_elems, float value, std::mt19937_64& rng) {
-  const std::size_t i = std::uniform_int_distribution<std::size_t>(0, valid_elems - 1)(rng);
-  b->as<std::uint16_t>()[i] = to_bits(value, b->dtype);
-  b->upload();
 }
 
 // Non-finite inputs (issue 14): the GPU shows a NaN or infinity in Q, K or V in exactly the rows

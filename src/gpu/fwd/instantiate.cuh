@@ -27,6 +27,10 @@ using Rows64Traits = Traits<Element, kHeadDim, 1, kBlockN, 1, 2, false, false,
 // stages where they fit (D <= 128). 64-wide tiles instead take two stages and two CTAs per
 // multiprocessor (40 / 208 registers): a split step's cluster of up to 16 CTAs then fits on 8
 // multiprocessors, so short split steps merge in clusters (api/plan.cpp choose_decode, launch.cuh).
+// Route pairs (traits.cuh): two consumer warpgroups, steps of two routes side by side.
+template <class Element, int kHeadDim, int kHeadsPerTile>
+using RoutePairsTraits = Traits<Element, kHeadDim, 2, 128, kHeadsPerTile, 2, false, false, 1, 2>;
+
 template <class Element, int kHeadDim, int kBlockN>
 using DecodeTraits = std::conditional_t<kBlockN == 64 && kHeadDim <= 128,
                                         Traits<Element, kHeadDim, 1, kBlockN, 1, 2, false, true, 2>,
@@ -44,10 +48,26 @@ int kernel_ctas_per_sm() {
 // tile_m 128 with 128-wide K/V tiles a CTA pair sharing its K/V loads (pair multicast). kProxy: the
 // kernels with proxy compensation (proxy.cuh), the pair included (a pair's two heads share their
 // routes, so their proxy windows too); no decode kernel.
+// Measurement switch (environment, read once): BSATTN_GPU_ROUTE_PAIRS=0 runs 64-wide routes one per
+// step in 128-row tiles, as before route pairs.
+inline bool route_pairs_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("BSATTN_GPU_ROUTE_PAIRS");
+    return !(v && v[0] == '0');
+  }();
+  return enabled;
+}
+
 template <ElementType kType, int kHeadDim, int kBlockN, bool kProxy, KernelKind kKind>
 cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, const int* overflow,
                         cudaStream_t stream, const DecodeShape* decode) {
   using Element = typename CuteElement<kType>::type;
+  // Two consumer warpgroups on routes of at most 64 tokens take them in pairs, as 128-wide steps
+  // (route pairs, traits.cuh), where the K/V tokens are addressed directly (a paged cache keeps
+  // the 64-wide kernels); kHeadsPerTile 1: 128-row tiles, 2: 64-row tiles of two query heads.
+  constexpr bool kRoutePairs = kBlockN == 64 && kHeadDim <= 128 && !kProxy;
+  using Pairs128 = RoutePairsTraits<Element, kHeadDim, 1>;
+  using PairsPacked = RoutePairsTraits<Element, kHeadDim, 2>;
   if constexpr (kKind == KernelKind::decode) {
     static_assert(!kProxy, "the decode kernel takes exact routes only");
     return launch_forward_ws<DecodeTraits<Element, kHeadDim, kBlockN>>(a, extents, overflow, stream, decode_geometry(*decode));
@@ -66,15 +86,33 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
         if (e != cudaErrorNotSupported) return e;
       }
     }
+    if constexpr (kRoutePairs) {
+      if (!a) {
+        const cudaError_t e = launch_forward_ws<Pairs128>(nullptr, extents, overflow, stream);
+        if (e != cudaSuccess) return e;
+      } else if (route_pairs_enabled() && !a->route.paged) {
+        return launch_forward_ws<Pairs128>(a, extents, overflow, stream);
+      }
+    }
     return launch_forward_ws<Rows128, kProxy>(a, extents, overflow, stream);
   } else {
     using Rows64 = Rows64Traits<Element, kHeadDim, kBlockN>;
     using Rows64Packed = Traits<Element, kHeadDim, 2, kBlockN, 2>;
     if (!a) {
-      const cudaError_t e = launch_forward_ws<Rows64, kProxy>(nullptr, extents, overflow, stream);
-      return e != cudaSuccess ? e : launch_forward_ws<Rows64Packed, kProxy>(nullptr, extents, overflow, stream);
+      cudaError_t e = launch_forward_ws<Rows64, kProxy>(nullptr, extents, overflow, stream);
+      if (e == cudaSuccess) e = launch_forward_ws<Rows64Packed, kProxy>(nullptr, extents, overflow, stream);
+      if constexpr (kRoutePairs) {
+        if (e == cudaSuccess) e = launch_forward_ws<PairsPacked>(nullptr, extents, overflow, stream);
+      }
+      return e;
     }
-    if (packable_heads(a->route)) return launch_forward_ws<Rows64Packed, kProxy>(a, extents, overflow, stream);
+    if (packable_heads(a->route)) {
+      if constexpr (kRoutePairs) {
+        if (route_pairs_enabled() && !a->route.paged)
+          return launch_forward_ws<PairsPacked>(a, extents, overflow, stream);
+      }
+      return launch_forward_ws<Rows64Packed, kProxy>(a, extents, overflow, stream);
+    }
     return launch_forward_ws<Rows64, kProxy>(a, extents, overflow, stream);
   }
 }

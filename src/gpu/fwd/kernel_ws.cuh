@@ -101,6 +101,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
   using Barrier = cutlass::arch::ClusterBarrier;
   static_assert(T::kWarpgroups <= 2 && T::kBlockN >= 64, "O of a warpgroup is staged in a K or V stage");
   constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
+  static_assert(T::kRoutesPerStep == 1 || !kProxy, "route pairs: exact routes only");
   extern __shared__ char smem_raw[];
   // Aligned by pointer arithmetic on the shared array (not through an integer), so the compiler
   // keeps the shared address space: LDS/STS for the tile slots and the epilogue, not generic
@@ -280,6 +281,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
     // Read by every step: held in registers (the slot's fields are reloaded after each barrier
     // wait, whose asm clobbers memory).
     const route::Route* const routes = tile.routes;
+    const int exact_routes = tile.exact;
     const int seqlen_kv = si.seqlen_kv;
     const int tile_row0 = warpgroup_row0<T>(wg);
     const int head = warpgroup_head<T>(tile, wg, pair_rank);
@@ -291,23 +293,37 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
 
     OnlineSoftmax<kRows> softmax(a.scale);
     clear(tOrO);
-    // Softmax of exact route `step` (record rt): the route's mask, where it cuts, then the plain step.
-    auto exact_softmax = [&](const route::Route rt, int step, float (&rescale)[kRows]) {
-      RouteMask m;
-      m.k0 = rt.index * p.tile_n;
-      m.n_valid = min(p.tile_n, seqlen_kv - m.k0);
-      m.rows = rt.rows;
-      m.masked = rt.masked;
-      if (rt.masked != 0 || (rt.rows & present) != present || m.n_valid < kBlockN) {
-        m.token_mask = tile_rows.tokens() - 1;
-        m.q_begin = q_begin;
-        m.tile_row0 = tile_row0;
-        m.unit_m = p.unit_m;
-        m.template apply<kTokenTensors, true>(s_rc, c_rc, a, si, tile.b);
+    // Softmax of exact step `step` (its records rt): the routes' masks, where they cut, then the
+    // plain step. Route pairs: columns [h kRouteN, (h + 1) kRouteN) are route h's.
+    auto exact_softmax = [&](const StepRoutes<T::kRoutesPerStep>& rt, int step, float (&rescale)[kRows]) {
+      RouteMask m[T::kRoutesPerStep];
+      bool cut = false;
+      CUTE_UNROLL
+      for (int h = 0; h < T::kRoutesPerStep; ++h) {
+        const int k0 = rt.route[h].index * p.tile_n;
+        m[h].k0 = k0 - h * T::kRouteN;
+        m[h].n_valid = h * T::kRouteN + min(p.tile_n, seqlen_kv - k0);
+        m[h].rows = rt.route[h].rows;
+        m[h].masked = rt.route[h].masked;
+        cut |= rt.route[h].masked != 0 || (rt.route[h].rows & present) != present ||
+               m[h].n_valid < (h + 1) * T::kRouteN;
+      }
+      if (cut) {
+        CUTE_UNROLL
+        for (int h = 0; h < T::kRoutesPerStep; ++h) {
+          m[h].token_mask = tile_rows.tokens() - 1;
+          m[h].q_begin = q_begin;
+          m[h].tile_row0 = tile_row0;
+          m[h].unit_m = p.unit_m;
+        }
+        constexpr int kSplit = decltype(size<1>(s_rc))::value / T::kRoutesPerStep;  // the left route's columns
+        RouteMask::apply_split<kTokenTensors, true, kSplit>(m[0], m[T::kRoutesPerStep - 1], s_rc, c_rc, a, si, tile.b);
       }
       softmax.step(s_rc, rescale);
     };
-    const auto exact_record = [&](int step) { return route_at<kFromLengths>(a, tile, routes, step); };
+    const auto exact_record = [&](int step) {
+      return step_routes<T::kRoutesPerStep, kFromLengths>(a, tile, routes, exact_routes, step);
+    };
     // Proxy kernels: the proxy steps' softmax from their candidate records (proxy.cuh).
     int proxy_cursor = tile.exact;  // the first proxy record not in an earlier window
     auto proxy_step_softmax = [&](const ProxyRecords<kBlockN>& records, int step, float (&rescale)[kRows]) {

@@ -43,17 +43,31 @@ struct RouteMask {
   template <bool kTokenTensors, bool kPairColumns = false, class TS, class TC>
   __device__ __forceinline__ void apply(TS& s, const TC& c, const AttentionParams& a, const route::SeqInfo& si,
                                         int b) const {
+    apply_split<kTokenTensors, kPairColumns, decltype(size<1>(s))::value>(*this, *this, s, c, a, si, b);
+  }
+
+  // Two routes side by side in one tile (route pairs, Traits::kRoutesPerStep 2): the view's columns
+  // j < kSplit are `left`'s, the others `right`'s; each mask's k0 is its route's first token minus
+  // its first column, so that k0 + col is the token, and its n_valid counts from column 0.
+  // kPairColumns layouts keep column order: j < kSplit is the tile's left half.
+  template <bool kTokenTensors, bool kPairColumns, int kSplit, class TS, class TC>
+  __device__ __forceinline__ static void apply_split(const RouteMask& left, const RouteMask& right, TS& s, const TC& c,
+                                                     const AttentionParams& a, const route::SeqInfo& si, int b) {
+    constexpr int kCols = decltype(size<1>(s))::value;
     if constexpr (!kTokenTensors) {
-      apply_positional<kPairColumns>(s, c, a.route, si);
+      apply_positional<kPairColumns, kSplit>(left, right, s, c, a.route, si);
     } else {
       CUTE_UNROLL
       for (int i = 0; i < size<0>(s); ++i) {
-        const auto [q, takes, partial] = row(get<0>(c(i, 0)), si);
+        const int r = get<0>(c(i, 0));
+        const Row rows[2] = {left.row(r, si), right.row(r, si)};
         CUTE_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) {
+        for (int j = 0; j < kCols; ++j) {
+          const RouteMask& m = j < kSplit ? left : right;
+          const Row& row = rows[j < kSplit ? 0 : 1];
           const int col = get<1>(c(i, j));
-          bool visible = takes && col < n_valid;
-          if (visible && partial) visible = route::token_visible(a.route, si, b, q, k0 + col);
+          bool visible = row.takes && col < m.n_valid;
+          if (visible && row.partial) visible = route::token_visible(a.route, si, b, row.q, m.k0 + col);
           if (!visible) s(i, j) = -INFINITY;
         }
       }
@@ -65,22 +79,34 @@ struct RouteMask {
   // the tile's valid columns) and [0, sink_hi] (the sinks, under the same causal and valid limits).
   // Same predicate as route::token_visible: (kv <= diag if causal) && (diag - wl <= kv <= diag + wr
   // || kv < sinks).
-  template <bool kPairColumns, class TS, class TC>
-  __device__ __forceinline__ void apply_positional(TS& s, const TC& c, const route::RouteParams& p,
-                                                   const route::SeqInfo& si) const {
+  struct Interval {
+    int lo, hi, sink_hi;
+  };
+  __device__ __forceinline__ Interval visible_columns(int r, const route::RouteParams& p,
+                                                      const route::SeqInfo& si) const {
+    const auto [q, takes, partial] = row(r, si);
+    const int diag = q + si.diag_offset - k0;
+    int limit = takes ? n_valid - 1 : -1, lo = 0, hi = limit, sink_hi = -1;
+    if (partial) {
+      if (p.causal) limit = min(limit, diag);
+      // Written so that no sum overflows for windows up to INT_MAX.
+      hi = p.window_right >= 0 && p.window_right < limit - diag ? diag + p.window_right : limit;
+      if (p.window_left >= 0 && diag > p.window_left) lo = diag - p.window_left;
+      sink_hi = min(limit, p.sink_tokens - k0 - 1);
+    }
+    return {lo, hi, sink_hi};
+  }
+
+  template <bool kPairColumns, int kSplit, class TS, class TC>
+  __device__ __forceinline__ static void apply_positional(const RouteMask& left, const RouteMask& right, TS& s,
+                                                          const TC& c, const route::RouteParams& p,
+                                                          const route::SeqInfo& si) {
     constexpr int kCols = decltype(size<1>(s))::value;
     CUTE_UNROLL
     for (int i = 0; i < size<0>(s); ++i) {
-      const auto [q, takes, partial] = row(get<0>(c(i, 0)), si);
-      const int diag = q + si.diag_offset - k0;
-      int limit = takes ? n_valid - 1 : -1, lo = 0, hi = limit, sink_hi = -1;
-      if (partial) {
-        if (p.causal) limit = min(limit, diag);
-        // Written so that no sum overflows for windows up to INT_MAX.
-        hi = p.window_right >= 0 && p.window_right < limit - diag ? diag + p.window_right : limit;
-        if (p.window_left >= 0 && diag > p.window_left) lo = diag - p.window_left;
-        sink_hi = min(limit, p.sink_tokens - k0 - 1);
-      }
+      const int r = get<0>(c(i, 0));
+      const Interval in[2] = {left.visible_columns(r, p, si),
+                              kSplit < kCols ? right.visible_columns(r, p, si) : Interval{}};
       if constexpr (kPairColumns) {
         // A thread's columns in a row, base + {0, 1, 8, 9, 16, 17, ...}, are counted left of a
         // bound, so that each interval becomes a run of element bits: a few integer operations
@@ -90,10 +116,19 @@ struct RouteMask {
           const int d = min(max(col - base, 0), 4 * kCols);
           return 2 * (d >> 3) + min(d & 7, 2);
         };
-        const int from = elements_before(lo), to = elements_before(hi + 1), sink_to = elements_before(sink_hi + 1);
+        const auto keep_word = [&](const Interval& v, int w) {
+          const int from = elements_before(v.lo), to = elements_before(v.hi + 1),
+                    sink_to = elements_before(v.sink_hi + 1);
+          return (low_bits(to - 32 * w) & ~low_bits(from - 32 * w)) | low_bits(sink_to - 32 * w);
+        };
         CUTE_UNROLL
         for (int w = 0; w < (kCols + 31) / 32; ++w) {
-          const unsigned keep = (low_bits(to - 32 * w) & ~low_bits(from - 32 * w)) | low_bits(sink_to - 32 * w);
+          unsigned keep = keep_word(in[0], w);
+          if constexpr (kSplit < kCols) {
+            static_assert(kSplit % 32 == 0 || kCols <= 32, "the split falls inside one word");
+            const unsigned left_bits = low_bits(kSplit - 32 * w);
+            keep = (keep & left_bits) | (keep_word(in[1], w) & ~left_bits);
+          }
           CUTE_UNROLL
           for (int j = 32 * w; j < min(kCols, 32 * w + 32); ++j)
             if (!(keep & (1u << (j - 32 * w)))) s(i, j) = -INFINITY;
@@ -101,8 +136,9 @@ struct RouteMask {
       } else {
         CUTE_UNROLL
         for (int j = 0; j < kCols; ++j) {
+          const Interval& v = in[j < kSplit ? 0 : 1];
           const int col = get<1>(c(i, j));
-          if (!((col >= lo && col <= hi) || col <= sink_hi)) s(i, j) = -INFINITY;
+          if (!((col >= v.lo && col <= v.hi) || col <= v.sink_hi)) s(i, j) = -INFINITY;
         }
       }
     }

@@ -128,12 +128,13 @@ __device__ __forceinline__ void tma_load_4d_multicast(void* smem, const CUtensor
       : "memory");
 }
 
-// One K or V tile of a route into `stage`: D/64 boxes of 64 x kBlockN (128-byte swizzle, the layout
+// One K or V tile of a step into `stage`: D/64 boxes of 64 x kBlockN (128-byte swizzle, the layout
 // the wgmma descriptors read). With pair multicast this CTA loads its half of the tokens (boxes of
-// 64 x kBlockN/2, 8 KB apart: the swizzle pattern is unchanged) into both CTAs of the pair.
+// 64 x kBlockN/2, 8 KB apart: the swizzle pattern is unchanged) into both CTAs of the pair. With
+// route pairs (T::kRoutesPerStep 2) the halves are two routes' tokens, from `token` and `token2`.
 template <class T>
 __device__ __forceinline__ void load_operand(typename T::Element* base, const CUtensorMap* map, std::uint64_t* bar,
-                                             int stage, int token, int hkv, int batch) {
+                                             int stage, int token, int hkv, int batch, int token2 = 0) {
   constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim;
   CUTE_UNROLL
   for (int c = 0; c < kHeadDim / 64; ++c) {
@@ -141,6 +142,9 @@ __device__ __forceinline__ void load_operand(typename T::Element* base, const CU
     if constexpr (T::kPairMulticast) {
       const int half = static_cast<int>(cute::block_rank_in_cluster()) * (kBlockN / 2);
       tma_load_4d_multicast(dst + half * 64, map, bar, c * 64, token + half, hkv, batch, 0x3);
+    } else if constexpr (T::kRoutesPerStep == 2) {
+      tma_load_4d(dst, map, bar, c * 64, token, hkv, batch);
+      tma_load_4d(dst + T::kRouteN * 64, map, bar, c * 64, token2, hkv, batch);
     } else {
       tma_load_4d<T::kDecode>(dst, map, bar, c * 64, token, hkv, batch);
     }
@@ -148,15 +152,16 @@ __device__ __forceinline__ void load_operand(typename T::Element* base, const CU
 }
 
 // One operand (K or V) of a pipeline step into `stage` by TMA once the consumers released it: rows
-// [row, row + kBlockN) of `map` (load_operand), completing on the stage's full barrier.
+// [row, row + kBlockN) of `map` (load_operand; route pairs: kRouteN rows from `row` and from
+// `row2`), completing on the stage's full barrier.
 template <class T>
 __device__ __forceinline__ void tma_stage_load(typename T::Element* tiles, const CUtensorMap* map, std::uint64_t* full,
                                                std::uint64_t* empty, int stage, int phase, int row, int hkv,
-                                               int batch) {
+                                               int batch, int row2 = 0) {
   cutlass::arch::ClusterBarrier::wait(&empty[stage], phase ^ 1);
   // The whole tile: with pair multicast both halves land here.
   arrive_expect_tx(&full[stage], T::kBlockN * T::kHeadDim * sizeof(typename T::Element));
-  load_operand<T>(tiles, map, &full[stage], stage, row, hkv, batch);
+  load_operand<T>(tiles, map, &full[stage], stage, row, hkv, batch, row2);
 }
 
 // The same by the kLoaderThreads cp.async threads (ptid): rows k0 + [0, kBlockN) of `rows`
@@ -268,17 +273,23 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
     // finite data that the route mask removes.
     // A proxy kernel's windows follow in the same loop (one loop with the two maps: a second one
     // spilled in the 40-register producer).
+    // Route pairs: a step without a second route fills its second half from before the tensor's
+    // first token (zeros: a stale stage could hold NaN, which a zero P would still spread).
     const int tok0 = p.varlen_kv ? static_cast<int>(tile.si.kv_base) : 0;
     const int bc = p.varlen_kv ? 0 : tile.b;
-    for (int i = 0; i < (kProxy ? tile.count : tile.exact); ++i) {
+    for (int i = 0; i < tile.count; ++i) {
       const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
       const bool window = kProxy && i >= tile.exact;
-      const int row = window ? proxy_window_row<T::kBlockN>(tile, i) : tok0 + route_index(tile, i) * p.tile_n;
+      const int r = i * T::kRoutesPerStep;  // the step's first route
+      const int row = window ? proxy_window_row<T::kBlockN>(tile, i) : tok0 + route_index(tile, r) * p.tile_n;
+      const int row2 = T::kRoutesPerStep == 1 ? 0
+                       : r + 1 < tile.exact   ? tok0 + route_index(tile, r + 1) * p.tile_n
+                                              : -T::kRouteN;
       const int batch = window ? tile.b : bc;
       tma_stage_load<T>(st.k, window ? &desc.k_summary : &desc.k, bars.full_k, bars.empty_k, stage, phase, row, hkv,
-                        batch);
+                        batch, row2);
       tma_stage_load<T>(st.v, window ? &desc.v_summary : &desc.v, bars.full_v, bars.empty_v, stage, phase, row, hkv,
-                        batch);
+                        batch, row2);
     }
   } else {
     // One operand of a route into `stage`; each thread arrives once its own copies have landed.
@@ -313,12 +324,38 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
         k + a.kv_offset(tile.b, tile.si, 0, hkv, a.k_batch_stride, a.k_token_stride, a.k_head_stride), a.k_token_stride};
     const ContiguousRows<Element> v_rows{
         v + a.kv_offset(tile.b, tile.si, 0, hkv, a.v_batch_stride, a.v_token_stride, a.v_head_stride), a.v_token_stride};
-    for (int i = 0; i < tile.exact; ++i) {
-      const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
-      const int k0 = route_index(tile, i) * p.tile_n;
-      const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
-      load(std::false_type{}, k_rows, bars.full_k, bars.empty_k, stage, phase, k0, n_valid);
-      load(std::true_type{}, v_rows, bars.full_v, bars.empty_v, stage, phase, k0, n_valid);
+    if constexpr (T::kRoutesPerStep == 1) {
+      for (int i = 0; i < tile.exact; ++i) {
+        const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
+        const int k0 = route_index(tile, i) * p.tile_n;
+        const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
+        load(std::false_type{}, k_rows, bars.full_k, bars.empty_k, stage, phase, k0, n_valid);
+        load(std::true_type{}, v_rows, bars.full_v, bars.empty_v, stage, phase, k0, n_valid);
+      }
+    } else {
+      // Route pairs: rows [0, kRouteN) of the stage from the step's first route, the rest from its
+      // second (zeros where it has none), each thread arriving once both halves' copies landed.
+      constexpr int kRouteN = T::kRouteN;
+      const auto load_pair = [&](auto is_v, const auto& rows, std::uint64_t* full, std::uint64_t* empty, int stage,
+                                 int phase, int r) {
+        constexpr bool kIsV = decltype(is_v)::value;
+        cutlass::arch::ClusterBarrier::wait(&empty[stage], phase ^ 1);
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const bool present = r + h < tile.exact;
+          const int k0 = present ? route_index(tile, r + h) * p.tile_n : 0;
+          const int n_valid = present ? min(p.tile_n, tile.si.seqlen_kv - k0) : 0;
+          // Row n of the stage is token k0 - h kRouteN + n.
+          produce_rows<T, kIsV, kLoaderThreads>(st, rows, k0 - h * kRouteN, h * kRouteN, (h + 1) * kRouteN,
+                                                h * kRouteN + n_valid, stage, ptid);
+        }
+        cp_async_arrive_noinc(&full[stage]);
+      };
+      for (int i = 0; i < tile.count; ++i) {
+        const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
+        load_pair(std::false_type{}, k_rows, bars.full_k, bars.empty_k, stage, phase, 2 * i);
+        load_pair(std::true_type{}, v_rows, bars.full_v, bars.empty_v, stage, phase, 2 * i);
+      }
     }
   }
 }
@@ -402,7 +439,7 @@ bool encode_maps(const AttentionParams& a, const TokenExtents& extents, LaunchDe
                             box_heads);
   };
   const route::RouteParams& p = a.route;
-  int kv_rows = T::kPairMulticast ? T::kBlockN / 2 : T::kBlockN;
+  int kv_rows = T::kPairMulticast ? T::kBlockN / 2 : T::kRouteN;
   if (p.proxy_mode != 0 &&
       !(one(a.k_summary, a.summary_batch_stride, a.summary_block_stride, a.summary_head_stride, false,
             p.max_kv_blocks, p.heads_kv, p.batch, kv_rows, maps.k_summary) &&

@@ -79,7 +79,7 @@ __device__ __forceinline__ void run_tile_warp(const TileHandoff& handoff, Tile (
     if (lane == 0) {
       if (has_tile)
         tile_routes(a, !prev.written ? 0 : prev.first + prev.count, slot, kProxy ? T::kBlockN : 0, splits,
-                    from_lengths);
+                    from_lengths, T::kRoutesPerStep);
       slot.written = 1;
       if (!prev.written) timeline_mark(desc.timeline, kTileDecoded);
     }

@@ -44,7 +44,7 @@ struct Tile {
   int hkv;    // its KV head
   int b;      // sequence
   int q0;     // first query row (sequence-local)
-  int count;  // pipeline steps: exact routes, then proxy windows (0 for a tile past the sequence end)
+  int count;  // pipeline steps: exact routes (or pairs: Traits::kRoutesPerStep), then proxy windows (0 past the end)
   int first;  // pipeline position of the first route: routes of this CTA's earlier tiles
   int exact;  // exact routes (the proxy records follow them in the row)
   int proxies;  // proxy records (proxy kernels; else 0)
@@ -97,9 +97,10 @@ __device__ __forceinline__ void place_tile(const AttentionParams& a, int item, i
 
 // `first`: the tile's pipeline position; `proxy_columns`: KV blocks of a proxy window (the
 // kernel's kBlockN), 0 in a kernel without proxy compensation. `from_lengths`: no route preparation ran,
-// the row's routes are its sequence's first prefix_tiles KV tiles (route_at).
+// the row's routes are its sequence's first prefix_tiles KV tiles (route_at). `routes_per_step`:
+// the kernel's Traits::kRoutesPerStep (exact routes per pipeline step).
 __device__ __forceinline__ void tile_routes(const AttentionParams& a, int first, Tile& t, int proxy_columns = 0,
-                                            int splits = 1, bool from_lengths = false) {
+                                            int splits = 1, bool from_lengths = false, int routes_per_step = 1) {
   const int row = t.row;
   int records = 0;
   if (from_lengths) {
@@ -125,7 +126,7 @@ __device__ __forceinline__ void tile_routes(const AttentionParams& a, int first,
     t.window0 = window0;
     windows = t.routes[records - 1].index / proxy_columns - window0 + 1;
   }
-  t.count = t.exact + windows;
+  t.count = (t.exact + routes_per_step - 1) / routes_per_step + windows;
   t.first = first;
 }
 
@@ -170,6 +171,26 @@ __device__ __forceinline__ route::Route route_at(const AttentionParams& a, const
   r.masked = route::detail::positional(p, t.si, t.q0, q1, k0, k1) == route::Visibility::partial;
   r.reserved = 0;
   return r;
+}
+
+// The exact routes of pipeline step `step`: route `step`, or with route pairs (kRoutes 2) routes
+// 2 step and 2 step + 1 of the tile's `exact`; a missing second route has no rows (its half of
+// the step is masked whole; its record is the first one's, read again rather than branched on).
+template <int kRoutes>
+struct StepRoutes {
+  route::Route route[kRoutes];
+};
+template <int kRoutes, bool kFromLengths>
+__device__ __forceinline__ StepRoutes<kRoutes> step_routes(const AttentionParams& a, const Tile& t,
+                                                           const route::Route* routes, int exact, int step) {
+  StepRoutes<kRoutes> s;
+  s.route[0] = route_at<kFromLengths>(a, t, routes, kRoutes * step);
+  if constexpr (kRoutes == 2) {
+    const int second = 2 * step + 1;
+    s.route[1] = route_at<kFromLengths>(a, t, routes, min(second, exact - 1));
+    if (second >= exact) s.route[1].rows = 0;
+  }
+  return s;
 }
 
 // This CTA's first item, and the one after `current` (of `items`). The counter needs no reset

@@ -15,8 +15,11 @@ namespace bsattn::gpu::fwd {
 // kCtasPerSm 2 (one consumer warpgroup, shared memory for two): two CTAs per multiprocessor, so
 // that one CTA's softmax runs under the other's GEMMs as two consumer warpgroups of one CTA do
 // (persistent prefill), or so that a decode step's cluster of splits fits on half as many SMs.
+// kRoutesPerStep 2 (route pairs): a pipeline step holds two routes of at most kBlockN / 2 tokens
+// side by side, any two KV tiles of the row (two boxes per operand and stage), so that routes of 64
+// run as 128-wide steps: one softmax pass, one rescale of O and one stage handoff per 128 columns.
 template <class Element_, int kHeadDim_, int kWarpgroups_, int kBlockN_, int kHeadsPerTile_ = 1, int kStages_ = 2,
-          bool kPairMulticast_ = false, bool kDecode_ = false, int kCtasPerSm_ = 1>
+          bool kPairMulticast_ = false, bool kDecode_ = false, int kCtasPerSm_ = 1, int kRoutesPerStep_ = 1>
 struct Traits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -30,7 +33,11 @@ struct Traits {
   static constexpr int kItemHeads = kPairMulticast ? 2 : kHeadsPerTile;  // query heads per work item
   static constexpr int kBlockM = 64 * kWarpgroups / kHeadsPerTile;  // query rows of the route tile
   static_assert(kHeadsPerTile == 1 || kHeadsPerTile == kWarpgroups, "packing: one head per warpgroup");
-  static constexpr int kBlockN = kBlockN_;          // KV tokens per route (the route's tile_n <= kBlockN)
+  static constexpr int kBlockN = kBlockN_;          // KV tokens per pipeline step
+  static constexpr int kRoutesPerStep = kRoutesPerStep_;
+  static constexpr int kRouteN = kBlockN / kRoutesPerStep;  // KV tokens per route (the route's tile_n <= kRouteN)
+  static_assert(kRoutesPerStep == 1 || (kRoutesPerStep == 2 && kBlockN == 128 && !kPairMulticast && !kDecode),
+                "route pairs: 128-wide steps of a single-CTA prefill kernel");
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * kWarpgroups;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0, "tile shape");
