@@ -324,38 +324,29 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
         k + a.kv_offset(tile.b, tile.si, 0, hkv, a.k_batch_stride, a.k_token_stride, a.k_head_stride), a.k_token_stride};
     const ContiguousRows<Element> v_rows{
         v + a.kv_offset(tile.b, tile.si, 0, hkv, a.v_batch_stride, a.v_token_stride, a.v_head_stride), a.v_token_stride};
-    if constexpr (T::kRoutesPerStep == 1) {
-      for (int i = 0; i < tile.exact; ++i) {
-        const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
-        const int k0 = route_index(tile, i) * p.tile_n;
-        const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
-        load(std::false_type{}, k_rows, bars.full_k, bars.empty_k, stage, phase, k0, n_valid);
-        load(std::true_type{}, v_rows, bars.full_v, bars.empty_v, stage, phase, k0, n_valid);
+    // Step i's stage: rows [h kRouteN, (h + 1) kRouteN) from the step's route h (one route per
+    // step, or a pair), zeros where the row has no such route; each thread arrives once its copies
+    // of the whole stage have landed.
+    constexpr int kRouteN = T::kRouteN;
+    const auto load_step = [&](auto is_v, const auto& rows, std::uint64_t* full, std::uint64_t* empty, int i) {
+      const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
+      cutlass::arch::ClusterBarrier::wait(&empty[stage], phase ^ 1);
+      CUTE_UNROLL
+      for (int h = 0; h < T::kRoutesPerStep; ++h) {
+        const int r = i * T::kRoutesPerStep + h;
+        const int k0 = r < tile.exact ? route_index(tile, r) * p.tile_n : 0;
+        const int n_valid = r < tile.exact ? min(p.tile_n, tile.si.seqlen_kv - k0) : 0;
+        // Row n of the stage is token k0 - h kRouteN + n.
+        produce_rows<T, decltype(is_v)::value, kLoaderThreads>(st, rows, k0 - h * kRouteN, h * kRouteN,
+                                                               (h + 1) * kRouteN, h * kRouteN + n_valid, stage, ptid);
       }
-    } else {
-      // Route pairs: rows [0, kRouteN) of the stage from the step's first route, the rest from its
-      // second (zeros where it has none), each thread arriving once both halves' copies landed.
-      constexpr int kRouteN = T::kRouteN;
-      const auto load_pair = [&](auto is_v, const auto& rows, std::uint64_t* full, std::uint64_t* empty, int stage,
-                                 int phase, int r) {
-        constexpr bool kIsV = decltype(is_v)::value;
-        cutlass::arch::ClusterBarrier::wait(&empty[stage], phase ^ 1);
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const bool present = r + h < tile.exact;
-          const int k0 = present ? route_index(tile, r + h) * p.tile_n : 0;
-          const int n_valid = present ? min(p.tile_n, tile.si.seqlen_kv - k0) : 0;
-          // Row n of the stage is token k0 - h kRouteN + n.
-          produce_rows<T, kIsV, kLoaderThreads>(st, rows, k0 - h * kRouteN, h * kRouteN, (h + 1) * kRouteN,
-                                                h * kRouteN + n_valid, stage, ptid);
-        }
-        cp_async_arrive_noinc(&full[stage]);
-      };
-      for (int i = 0; i < tile.count; ++i) {
-        const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
-        load_pair(std::false_type{}, k_rows, bars.full_k, bars.empty_k, stage, phase, 2 * i);
-        load_pair(std::true_type{}, v_rows, bars.full_v, bars.empty_v, stage, phase, 2 * i);
-      }
+      cp_async_arrive_noinc(&full[stage]);
+    };
+    // The exact routes' steps (a proxy kernel's windows follow: load_proxy_windows).
+    const int steps = (tile.exact + T::kRoutesPerStep - 1) / T::kRoutesPerStep;
+    for (int i = 0; i < steps; ++i) {
+      load_step(std::false_type{}, k_rows, bars.full_k, bars.empty_k, i);
+      load_step(std::true_type{}, v_rows, bars.full_v, bars.empty_v, i);
     }
   }
 }
