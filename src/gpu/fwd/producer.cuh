@@ -21,6 +21,17 @@ struct PipelineBarriers {
   std::uint64_t full_q[kWarpgroups], empty_q[kWarpgroups];
 };
 
+// Stage and phase parity of pipeline position j (steps counted from the CTA's first, never
+// negative). Unsigned: with a power-of-two stage count a mask and a shift, not a signed division
+// and remainder (five uniform instructions per wait, twice a step).
+template <int kStages>
+struct PipelineSlot {
+  int stage, phase;
+  __device__ __forceinline__ explicit PipelineSlot(int j)
+      : stage(static_cast<int>(static_cast<unsigned>(j) % kStages)),
+        phase(static_cast<int>(static_cast<unsigned>(j) / kStages & 1u)) {}
+};
+
 // Threads of the cp.async K/V loader (producer warps 0-2; warp 3 is the tile warp).
 constexpr int kLoaderThreads = 96;
 
@@ -240,7 +251,8 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
     }
   };
   for (int i = 0; i < tile.exact; ++i) {
-    const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
+    const PipelineSlot<kStages> slot(tile.first + i);
+    const int stage = slot.stage, phase = slot.phase;
     const int k0 = route_index(tile, i) * p.tile_n;
     const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
     const int rows = lane < boxes ? max(0, min(box_rows, n_valid - r0)) : 0;
@@ -278,7 +290,8 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
     const int tok0 = p.varlen_kv ? static_cast<int>(tile.si.kv_base) : 0;
     const int bc = p.varlen_kv ? 0 : tile.b;
     for (int i = 0; i < tile.count; ++i) {
-      const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
+      const PipelineSlot<kStages> slot(tile.first + i);
+      const int stage = slot.stage, phase = slot.phase;
       const bool window = kProxy && i >= tile.exact;
       const int r = i * T::kRoutesPerStep;  // the step's first route
       const int row = window ? proxy_window_row<T::kBlockN>(tile, i) : tok0 + route_index(tile, r) * p.tile_n;
@@ -304,7 +317,8 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
       const std::int32_t* table = a.block_table + tile.b * a.block_table_stride;
       const int lane = ptid % 32;
       for (int i = 0; i < tile.exact; ++i) {
-        const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
+        const PipelineSlot<kStages> slot(tile.first + i);
+        const int stage = slot.stage, phase = slot.phase;
         const int k0 = route_index(tile, i) * p.tile_n;
         const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
         const int first_page = k0 / a.page_size;
@@ -329,7 +343,8 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
     // of the whole stage have landed.
     constexpr int kRouteN = T::kRouteN;
     const auto load_step = [&](auto is_v, const auto& rows, std::uint64_t* full, std::uint64_t* empty, int i) {
-      const int j = tile.first + i, stage = j % kStages, phase = (j / kStages) & 1;
+      const PipelineSlot<kStages> slot(tile.first + i);
+      const int stage = slot.stage, phase = slot.phase;
       cutlass::arch::ClusterBarrier::wait(&empty[stage], phase ^ 1);
       CUTE_UNROLL
       for (int h = 0; h < T::kRoutesPerStep; ++h) {

@@ -39,7 +39,8 @@ __device__ __forceinline__ void load_proxy_windows(const Tile& tile, bool tma, c
   if (tma) {  // paged K/V: the loader warp's first lane
     if (ptid != 0) return;
     for (int j = tile.first + tile.exact; j < tile.first + tile.count; ++j) {
-      const int stage = j % kStages, phase = (j / kStages) & 1;
+      const PipelineSlot<kStages> slot(j);
+      const int stage = slot.stage, phase = slot.phase;
       const int row = proxy_window_row<kBlockN>(tile, j - tile.first);
       tma_stage_load<T>(st.k, &desc.k_summary, bars.full_k, bars.empty_k, stage, phase, row, tile.hkv, tile.b);
       tma_stage_load<T>(st.v, &desc.v_summary, bars.full_v, bars.empty_v, stage, phase, row, tile.hkv, tile.b);
@@ -53,7 +54,8 @@ __device__ __forceinline__ void load_proxy_windows(const Tile& tile, bool tma, c
                                            tile.b * a.v_summary_batch_stride + tile.hkv * a.v_summary_head_stride,
                                        a.v_summary_block_stride};
   for (int j = tile.first + tile.exact; j < tile.first + tile.count; ++j) {
-    const int stage = j % kStages, phase = (j / kStages) & 1;
+    const PipelineSlot<kStages> slot(j);
+    const int stage = slot.stage, phase = slot.phase;
     const int row = proxy_window_row<kBlockN>(tile, j - tile.first), n_valid = tile.si.kv_blocks - row;
     cp_async_stage_load<T, false>(st, k_rows, bars.full_k, bars.empty_k, stage, phase, row, n_valid, ptid);
     cp_async_stage_load<T, true>(st, v_rows, bars.full_v, bars.empty_v, stage, phase, row, n_valid, ptid);

@@ -99,6 +99,15 @@ __device__ __forceinline__ void cluster_sync_threads() {
   cluster_wait();
 }
 
+// mbarrier arrival of the threads for which `pred` holds, as one predicated instruction (an `if`
+// around the arrival opened a divergent region per pipeline step in the consumers' loop).
+__device__ __forceinline__ void arrive_if(std::uint64_t* bar, bool pred) {
+  const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(m),
+               "r"(static_cast<int>(pred))
+               : "memory");
+}
+
 // mbarrier transaction bytes: arrive and expect them, or only expect them (the arrival comes later).
 __device__ __forceinline__ void arrive_expect_tx(std::uint64_t* bar, unsigned bytes) {
   const unsigned m = static_cast<unsigned>(__cvta_generic_to_shared(bar));
