@@ -49,6 +49,48 @@ __device__ __forceinline__ void issue_dkv_gemm(const A& a, const typename T::Ele
   }
 }
 
+// P or dS from registers (`frag`, the MMA's accumulator layout) into a 128-byte-swizzled shared
+// tile at 1 KB-aligned `smem` by stmatrix x4 (CopyOp: SM90_U16x8_STSM_T or SM90_U32x4_STSM_N),
+// addressed in 32 bits. cute's copy swizzles each store's 64-bit generic address (~35
+// instructions for the four stores of dS^T). The swizzle reads and writes only bits below its
+// period (1 KB), so a store's constant offset from the thread's first element splits into a part
+// below the period, swizzled with the thread's offset, and multiples of the period, added after
+// it (the store's immediate): the four stores of dS^T share one swizzled address.
+template <class CopyOp, class ThrCopy, class Frag, class Swizzle_, int kBits, class Layout_>
+__device__ __forceinline__ void store_swizzled(const ThrCopy& thr, const Frag& frag,
+                                               ComposedLayout<Swizzle_, smem_ptr_flag_bits<kBits>, Layout_> layout,
+                                               const void* smem) {
+  using Element = typename Frag::value_type;
+  static_assert(kBits == 8 * sizeof(Element) && Swizzle_::num_shft > 0, "a byte swizzle of the fragment's elements");
+  constexpr int kPeriod = 1 << (Swizzle_::num_base + Swizzle_::num_shft + Swizzle_::num_bits);
+  constexpr int kBytes = sizeof(Element);
+  // Element offsets (unswizzled) of the thread's values, the counting tensor's base the thread's
+  // first; both as (a store's 8 values, the stores).
+  Tensor offsets = thr.partition_D(make_tensor(counting_iterator<int>(0), layout.layout_b()));
+  Tensor src = thr.retile_S(frag);
+  const auto per_store = [](auto layout_) {
+    auto flat = flatten(layout_);
+    return group<1, decltype(rank(flat))::value>(flat);
+  };
+  const auto store_offsets = per_store(offsets.layout());
+  Tensor values = make_tensor(src.data(), per_store(src.layout()));
+  static_assert(size<0>(store_offsets) == 16 / kBytes && size<0>(values) == 16 / kBytes, "16 bytes per store");
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned first = kBytes * *offsets.data();
+  CUTE_UNROLL
+  for (int k = 0; k < size<1>(values); ++k) {
+    const unsigned offset = kBytes * store_offsets(0, k);  // a constant after unrolling
+    const unsigned addr = base + Swizzle_::apply(first + offset % kPeriod) + offset / kPeriod * kPeriod;
+    Tensor r = recast<std::uint32_t>(values(_, k));
+    if constexpr (std::is_same_v<CopyOp, SM90_U16x8_STSM_T>)
+      asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                   "r"(r(0)), "r"(r(1)), "r"(r(2)), "r"(r(3)));
+    else
+      asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r(0)),
+                   "r"(r(1)), "r"(r(2)), "r"(r(3)));
+  }
+}
+
 // A score tile's (row, column) view as (query row, KV column): kOwnRows scores are transposed.
 template <class Tensor_>
 __device__ __forceinline__ auto query_major_of(Tensor_&& t, std::true_type) {
@@ -145,7 +187,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
     // Thread-dependent operand views are derived per step from an opaque thread index: hoisted
     // out of the step loop, their descriptors and addresses would stay live across it and spill.
+    // Its range is stated: the views' divisions and remainders by powers of two of a possibly
+    // negative index cost sign fix-ups (LEA.HI / SHF.R.S32) every step.
     const int ltid = fwd::opaque_thread_index() - T::kProducerThreads;
+    __builtin_assume(ltid >= 0 && ltid < T::kConsumerThreads);
     auto thr_sdp = mma_sdp.get_thread_slice(ltid);
     auto ops_sdp = mma_sdp.get_thread_slice(warpgroup * 128);  // the operands' slice: descriptors
     Tensor sQ = make_tensor(make_smem_ptr(st.q), typename T::SmemLayoutQ{});
@@ -220,8 +265,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       mark(fwd::kBwdDvIssued);
       warpgroup_wait<1>();  // S and dP complete, dV in flight
     } else {
-      Tensor sP = make_tensor(make_smem_ptr(st.p.data + buffer * 64 * kBlockN), typename T::SmemLayoutP{});
-      cute::copy(copy_pds, thr_copy.retile_S(make_tensor(rP.data(), tSrS.layout())), thr_copy.partition_D(sP));
+      store_swizzled<StoreAtom>(thr_copy, make_tensor(rP.data(), tSrS.layout()), typename T::SmemLayoutP{},
+                                st.p.data + buffer * 64 * kBlockN);
       mark(fwd::kBwdDvIssued);
       warpgroup_wait<0>();
     }
@@ -236,12 +281,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     to_element(rdS, tdPrdP);
     {
       using DsLayout = std::conditional_t<T::kOwnRows, typename T::SmemLayoutPt, typename T::SmemLayoutP>;
-      Tensor sdS = make_tensor(make_smem_ptr(st.ds[buffer]), DsLayout{});
-      cute::copy(copy_pds, thr_copy.retile_S(make_tensor(rdS.data(), tdPrdP.layout())), thr_copy.partition_D(sdS));
+      store_swizzled<StoreAtom>(thr_copy, make_tensor(rdS.data(), tdPrdP.layout()), DsLayout{}, st.ds[buffer]);
     }
     cutlass::arch::fence_view_async_shared();  // P and dS (generic-proxy stores) before the wgmma reads
     mark(fwd::kBwdDsStored);
-    const bool dq_warpgroup = wg >= T::kDqWarpgroup0;
+    const bool dq_warpgroup = T::kDqWarpgroup0 == 0 || wg >= T::kDqWarpgroup0;  // no compare if both
     const int dq_tid = ltid - 128 * T::kDqWarpgroup0;
     // The previous step's staged dQ has been read by its bulk reductions before anyone passes the
     // barrier and stores this step's (issued a whole step ago: no wait in practice).
