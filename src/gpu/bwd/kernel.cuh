@@ -140,6 +140,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&st.full[s], T::kProducerThreads + 1);  // every producer thread's copies, the step record
       Barrier::init(&st.empty[s], T::kConsumerThreads / 32);  // the consumer warps
+      Barrier::init(&st.record[s], 1);  // the step record, for the producer's warps that do not walk
     }
     Barrier::init(&st.kv_full, T::kProducerThreads);
     st.dkv_target = {g.kv_like_offset(g.dk_strides, b, si, k0, hkv), g.kv_like_offset(g.dv_strides, b, si, k0, hkv),

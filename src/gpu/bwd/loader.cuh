@@ -61,32 +61,39 @@ struct StepMaps {
   int tma;
 };
 
-// Q, dO, LSE * log2(e) and delta of one step into `stage`. lse_log2 / delta: [Hq][q_rows], the
-// packed row of (b, q) being q_base + q (varlen) or b * Sq + q. The step has at least one row in
-// the sequence (the walk stops at the sequence end).
-// By TMA (tma: the step has 64 rows in the sequence and the maps exist) thread 0 expects the
-// boxes' bytes on the stage's barrier, which is its arrival there (the caller wrote the step
-// first); else every thread copies its share.
+// Q and dO of one step into `stage` by TMA (the step has 64 rows in the sequence and the maps
+// exist), by thread 0: it expects the boxes' bytes on the stage's barrier, which is its arrival
+// there (the caller wrote the step first), and issues D/64 boxes of 64 x 64 per tensor.
 template <class T>
-__device__ __forceinline__ void load_step(typename T::SharedStorage& st, const BackwardParams& g, const StepMaps& maps,
-                                          bool tma, int b, const route::SeqInfo& si, const Step& s, int stage,
-                                          const float* lse_log2, const float* delta, std::int64_t q_rows, int tid) {
-  using Element = typename T::Element;
+__device__ __forceinline__ void issue_step_tma(typename T::SharedStorage& st, const AttentionParams& a,
+                                               const StepMaps& maps, int b, const route::SeqInfo& si, const Step& s,
+                                               int stage) {
   constexpr int kHeadDim = T::kHeadDim;
+  const int token = (a.route.varlen_q ? static_cast<int>(si.q_base) : 0) + s.q0;
+  fwd::arrive_expect_tx(&st.full[stage], 2 * 64 * kHeadDim * sizeof(typename T::Element));
+  const int batch = a.route.varlen_q ? 0 : b;
+  CUTE_UNROLL
+  for (int c = 0; c < kHeadDim / 64; ++c) {
+    const int offset = (stage * kHeadDim + c * 64) * 64;  // the stage's 64 x 64 block c
+    fwd::tma_load_4d(st.q + offset, &maps.q, &st.full[stage], c * 64, token, s.head, batch);
+    fwd::tma_load_4d(st.dout + offset, &maps.dout, &st.full[stage], c * 64, token, s.head, batch);
+  }
+}
+
+// Every producer thread's share of one step in `stage` (tid: its index, opaque): Q and dO unless
+// they go by TMA (`tma`), by cp.async with the rows past the sequence zero-filled, and LSE *
+// log2(e) and delta. lse_log2 / delta: [Hq][q_rows], the packed row of (b, q) being q_base + q
+// (varlen) or b * Sq + q. The step has at least one row in the sequence (the walk stops at the
+// sequence end).
+template <class T>
+__device__ __forceinline__ void load_step(typename T::SharedStorage& st, const BackwardParams& g, bool tma, int b,
+                                          const route::SeqInfo& si, const Step& s, int stage, const float* lse_log2,
+                                          const float* delta, std::int64_t q_rows, int tid) {
+  using Element = typename T::Element;
   const AttentionParams& a = g.fwd;
+  __builtin_assume(tid >= 0 && tid < T::kProducerThreads);  // shifts, not signed division sequences
   const int rows = min(64, si.seqlen_q - s.q0);
-  if (tma) {
-    if (tid == 0) {
-      fwd::arrive_expect_tx(&st.full[stage], 2 * 64 * kHeadDim * sizeof(Element));
-      const int token = (a.route.varlen_q ? static_cast<int>(si.q_base) : 0) + s.q0, batch = a.route.varlen_q ? 0 : b;
-      CUTE_UNROLL
-      for (int c = 0; c < kHeadDim / 64; ++c) {
-        const int offset = (stage * kHeadDim + c * 64) * 64;  // the stage's 64 x 64 block c
-        fwd::tma_load_4d(st.q + offset, &maps.q, &st.full[stage], c * 64, token, s.head, batch);
-        fwd::tma_load_4d(st.dout + offset, &maps.dout, &st.full[stage], c * 64, token, s.head, batch);
-      }
-    }
-  } else {
+  if (!tma) {
     Tensor sQ = make_tensor(make_smem_ptr(st.q), typename T::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(st.dout), typename T::SmemLayoutQ{});
     load_strided_rows<T, 64>(sQ(_, _, stage), static_cast<const Element*>(a.q) + a.q_offset(b, si, s.q0, s.head),
@@ -95,20 +102,26 @@ __device__ __forceinline__ void load_step(typename T::SharedStorage& st, const B
                              static_cast<const Element*>(g.dout) + g.q_like_offset(g.dout_strides, b, si, s.q0, s.head),
                              g.dout_strides.token, rows, tid);
   }
-  {
-    static_assert(T::kProducerThreads == 128, "a thread per LSE and delta value");
-    const int r = tid % 64;
-    const std::int64_t packed = (a.route.varlen_q ? si.q_base : static_cast<std::int64_t>(b) * a.route.max_seqlen_q) +
-                                s.q0 + r;
-    const float* src = (tid < 64 ? lse_log2 : delta) + s.head * q_rows + packed;
-    cp_async_4(tid < 64 ? &st.lse_log2[stage][r] : &st.delta[stage][r], r < rows ? src : lse_log2, r < rows);
-  }
+  static_assert(T::kProducerThreads == 128, "a thread per LSE and delta value");
+  const int r = tid % 64;
+  // The value's index in 32 bits: Hq x q_rows floats sit in the workspace beside the fp32 dQ
+  // accumulator's D times as many, far below 2^32 (64-bit, it was a wide multiply-add chain).
+  const unsigned packed0 =
+      static_cast<unsigned>(a.route.varlen_q ? si.q_base : static_cast<std::int64_t>(b) * a.route.max_seqlen_q);
+  const unsigned row = static_cast<unsigned>(s.head) * static_cast<unsigned>(q_rows) + packed0 + s.q0 + r;
+  const float* src = (tid < 64 ? lse_log2 : delta) + row;
+  cp_async_4(tid < 64 ? &st.lse_log2[stage][r] : &st.delta[stage][r], r < rows ? src : lse_log2, r < rows);
 }
 
-// The producer warpgroup (ptid: its thread index). Every thread walks alike and copies its share;
-// each arrives on a stage's full barrier once its copies have landed (cp.async arrive, counted in
-// the barrier's init), thread 0 also after writing the stage's step (with the TMA bytes expected,
-// when the step goes by TMA). After the last step one more stage carries the end of the walk.
+// The producer warpgroup (ptid: its thread index). Its first warp walks the steps: thread 0
+// writes each step's record into the stage and arrives on the stage's record barrier. The other
+// three warps do not walk (the walk's dependent loads, divisions and branches were most of their
+// instructions per step): they read the step from the stage's record. Every thread copies its
+// share and arrives on the stage's full barrier once its copies have landed (cp.async arrive,
+// counted in the barrier's init); thread 0 also after writing the record (with the TMA bytes
+// expected, when the step goes by TMA). After the last step one more stage carries the end of
+// the walk (head -1). The walker rewrites a stage's record only after its empty barrier, which
+// follows every thread's arrival on the full barrier, so no record is overwritten unread.
 template <class T>
 __device__ __forceinline__ void produce_steps(typename T::SharedStorage& st, const BackwardParams& g,
                                               const StepMaps& maps, const BackwardWorkspace& ws, const StepWalk& walk,
@@ -117,25 +130,40 @@ __device__ __forceinline__ void produce_steps(typename T::SharedStorage& st, con
   using Barrier = cutlass::arch::ClusterBarrier;
   load_kv<T>(st, g.fwd, b, si, k0, n_valid, hkv, ptid);
   fwd::cp_async_arrive_noinc(&st.kv_full);
-  Step step;
-  bool have = n_valid > 0 && walk.first(step);
-  for (int i = 0;; ++i) {
-    const int stage = i % T::kStages;
-    Barrier::wait(&st.empty[stage], ((i / T::kStages) & 1) ^ 1);
-    const bool tma = have && maps.tma && step.q0 + 64 <= si.seqlen_q;
-    if (ptid == 0) {
-      st.step[stage] = step;
-      if (!have) st.step[stage].head = -1;
-      if (!tma) Barrier::arrive(&st.full[stage]);  // else load_step's expect_tx arrives
+  // The thread index through asm, per step: the copies' shared addresses are then recomputed
+  // each step rather than hoisted out of the loop (live across it, they spilled).
+  const auto load = [&](const Step& step, int stage, bool tma) {
+    load_step<T>(st, g, tma, b, si, step, stage, ws.lse_log2, ws.delta, ws.geometry.q_rows, fwd::opaque_thread_index());
+  };
+  const auto by_tma = [&](const Step& step) { return maps.tma && step.q0 + 64 <= si.seqlen_q; };
+  if (__shfl_sync(0xffffffffu, ptid / 32, 0) != 0) {
+    for (int i = 0;; ++i) {
+      const int stage = i % T::kStages;
+      Barrier::wait(&st.record[stage], (i / T::kStages) & 1);
+      const Step step = st.step[stage];
+      if (step.head >= 0) load(step, stage, by_tma(step));
+      fwd::cp_async_arrive_noinc(&st.full[stage]);
+      if (step.head < 0) break;
     }
-    // The thread index through asm, per step: the copies' shared addresses are then recomputed
-    // each step rather than hoisted out of the loop (live across it, they spilled).
-    if (have)
-      load_step<T>(st, g, maps, tma, b, si, step, stage, ws.lse_log2, ws.delta, ws.geometry.q_rows,
-                   fwd::opaque_thread_index());
-    fwd::cp_async_arrive_noinc(&st.full[stage]);
-    if (!have) break;
-    have = walk.next(step);
+  } else {
+    Step step;
+    bool have = n_valid > 0 && walk.first(step);
+    for (int i = 0;; ++i) {
+      const int stage = i % T::kStages;
+      Barrier::wait(&st.empty[stage], ((i / T::kStages) & 1) ^ 1);
+      const bool tma = have && by_tma(step);
+      if (ptid == 0) {
+        st.step[stage] = step;
+        if (!have) st.step[stage].head = -1;
+        Barrier::arrive(&st.record[stage]);
+        if (tma) issue_step_tma<T>(st, g.fwd, maps, b, si, step, stage);  // its expect_tx arrives
+        else Barrier::arrive(&st.full[stage]);
+      }
+      if (have) load(step, stage, tma);
+      fwd::cp_async_arrive_noinc(&st.full[stage]);
+      if (!have) break;
+      have = walk.next(step);
+    }
   }
   fwd::cp_async_wait_all();
 }

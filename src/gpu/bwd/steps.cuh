@@ -101,9 +101,11 @@ struct StepWalk {
     return w;
   }
 
-  // Units of the Q tile (unit_m rows each) that overlap step `sub`'s 64 rows.
+  // Units of the Q tile (unit_m rows each) that overlap step `sub`'s 64 rows. Unsigned: signed
+  // divisions by the runtime unit_m add sign fix-ups to the producer's every step.
   BSATTN_HD unsigned step_units(int sub) const {
-    const int first = sub * 64 / unit_m, last = (sub * 64 + 63) / unit_m;
+    const unsigned row = 64u * static_cast<unsigned>(sub), unit = static_cast<unsigned>(unit_m);
+    const unsigned first = row / unit, last = (row + 63u) / unit;
     return ((2u << last) - 1u) & ~((1u << first) - 1u);
   }
 
@@ -111,7 +113,8 @@ struct StepWalk {
   // and take the route; false at the end.
   BSATTN_HD bool seek(Step& s) const {
     for (; s.head < head_end; ++s.head, s.record = 0, s.sub = 0) {
-      const std::int64_t column = column0 + static_cast<std::int64_t>(s.head / heads_per_sparsity_head) * max_kv_tiles;
+      const std::int64_t column =
+          column0 + static_cast<std::int64_t>(static_cast<unsigned>(s.head) / heads_per_sparsity_head) * max_kv_tiles;
       const int count = counts[column];
       for (; s.record < count; ++s.record, s.sub = 0) {
         const ColumnRoute r = columns[column * capacity + s.record];
@@ -145,8 +148,20 @@ struct StepWalk {
     s.sub = 0;
     return seek(s);
   }
+  // The entry's later steps first, from the route s holds: no reload of the column's count and
+  // entry (dependent global loads) and no sparsity head division per step.
   BSATTN_HD bool next(Step& s) const {
-    ++s.sub;
+    for (++s.sub; s.sub * 64 < tile_m; ++s.sub) {
+      s.q0 += 64;
+      if (s.q0 >= seqlen_q) break;
+      const unsigned units = step_units(s.sub);
+      if (s.route.rows & units) {
+        s.units = units;
+        return true;
+      }
+    }
+    ++s.record;
+    s.sub = 0;
     return seek(s);
   }
 };

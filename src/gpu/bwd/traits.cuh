@@ -144,7 +144,7 @@ struct Traits {
     float delta[kStages][64];
     Step step[kStages];  // the stage's step, from the producer; head < 0: the walk has ended
     DkvTarget dkv_target;  // the CTA's dK / dV rows, for the epilogue
-    alignas(8) std::uint64_t full[kStages], empty[kStages], kv_full;
+    alignas(8) std::uint64_t full[kStages], empty[kStages], record[kStages], kv_full;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + base alignment
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");

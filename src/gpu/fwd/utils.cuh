@@ -36,6 +36,20 @@ __device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(s) : "memory");
 }
 
+// The shared-memory descriptors of k block `k` of a descriptor fragment (V, M, K), as registers:
+// the fragment's whole 64-bit descriptor plus the block's offset. CuTe's iterator adds the offset
+// to the low word only, and ptxas then re-issues a UMOV of the constant high word into the
+// HGMMA's descriptor registers before every HGMMA; one 64-bit add (UIADD3.64) writes both words.
+// The offset stays inside the 14-bit start address field (shared memory), so it never carries.
+template <class T>
+__device__ __forceinline__ auto k_block_descs(T const& t, int k) {
+  Tensor d = make_tensor<uint64_t>(shape(t(_, _, 0)));
+  const uint64_t base = t.data().desc_.desc_;
+  CUTE_UNROLL
+  for (int i = 0; i < size(d); ++i) d(i) = base + uint32_t(t.layout()(i + size(d) * k));
+  return d;
+}
+
 // One warpgroup GEMM: C (+)= A * B over every k block, committed as one wgmma group. The caller
 // waits (warpgroup_wait) where the result is needed, so GEMMs can stay in flight across work.
 // kRegA: A is a register fragment (RS wgmma); else both operands are shared-memory descriptors.
@@ -47,7 +61,8 @@ __device__ __forceinline__ void wg_gemm(TiledMma& mma, TA const& a, TB const& b,
   if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
   CUTE_UNROLL
   for (int k = 0; k < size<2>(a); ++k) {
-    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    if constexpr (kRegA) cute::gemm(mma, a(_, _, k), k_block_descs(b, k), c);
+    else cute::gemm(mma, k_block_descs(a, k), k_block_descs(b, k), c);
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
