@@ -106,15 +106,32 @@ __device__ __forceinline__ void add_dq_rows(const Acc& acc, const Coords& c, con
 // bench/RESULTS.md, 2026-12-03 17:00).
 __device__ __forceinline__ bool dq_bulk_leader(int dq_tid) { return dq_tid % 32 == 0; }
 
+// The bulk reduction of a dQ warp's staged block (add_dq), issued by the caller one step late:
+// right after the stores, the fence before it waited for them behind the dK GEMM's operand reads
+// (Nsight Compute, 2026-12-05: ~10 % of the consumers' samples); a step later they have long
+// landed and the fence runs under the next step's S and dP GEMMs. `dst`: the block's address in
+// the accumulator, as add_dq returned it.
+template <class T>
+__device__ __forceinline__ void issue_staged_dq(typename T::SharedStorage& st, float* dst, int dq_tid) {
+  constexpr int kColumns = T::kHeadDim / T::kDqWarpgroups, kRegion = 64 * kColumns;
+  const int region = dq_tid / 128, lane = dq_tid % 128;
+  cutlass::arch::fence_view_async_shared();  // the stores before the bulk reduction reads them
+  __syncwarp();                              // the warp's staged block, fenced by each lane
+  const int block = dq_fragment_offset(lane, 0, kColumns) - (lane % 32) * 4;  // the warp's block
+  if (dq_bulk_leader(dq_tid)) bulk_reduce_add(dst, st.dq.data + region * kRegion + block, 16 * kColumns * 4);
+}
+
 // Adds the step's completed dQ fragment into the fp32 accumulator: the tiled one (dq_tiles.hpp;
 // staged and bulk-added where T::kDqBulk) or the row-major one (add_dq_rows), in the deterministic
 // order when asked. With bulk adds the stage must be free: the caller's leaders waited for their
 // previous reductions' reads (fwd::bulk_store_wait<true>) before a barrier of both consumers.
+// Returns, where the block is staged for a bulk reduction in the default order, its destination:
+// the caller issues it (issue_staged_dq) a step later; else nullptr (added here).
 template <class T, class Acc>
-__device__ __forceinline__ void add_dq(const Acc& acc, typename T::SharedStorage& st, const Step& step,
-                                       const BackwardWorkspace& ws, std::int64_t packed_base,
-                                       const AttentionParams& a, const route::SeqInfo& si, int b, bool deterministic,
-                                       bool record_done, int dq_tid) {
+__device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStorage& st, const Step& step,
+                                         const BackwardWorkspace& ws, std::int64_t packed_base,
+                                         const AttentionParams& a, const route::SeqInfo& si, int b,
+                                         bool deterministic, bool record_done, int dq_tid) {
   constexpr int kHeadDim = T::kHeadDim, kThreads = 128 * T::kDqWarpgroups;
   constexpr int kColumns = kHeadDim / T::kDqWarpgroups, kRegion = 64 * kColumns;  // a warpgroup's region
   typename T::MmaDQ mma;
@@ -128,12 +145,18 @@ __device__ __forceinline__ void add_dq(const Acc& acc, typename T::SharedStorage
   const route::RouteParams& p = a.route;
   const bool tiled = ws.geometry.dq_tiles > 0, bulk = T::kDqBulk && tiled;
   const int region = dq_tid / 128, lane = dq_tid % 128;
+  const auto tile_region = [&] {  // the warpgroup's region of the step's tile in the accumulator
+    const std::int64_t tile = (dq_padded_start(p, b) + step.q0) / 64;
+    return ws.dq_accum + dq_tile_offset(ws.geometry.dq_tiles, step.head, tile, kHeadDim) + region * kRegion;
+  };
+  const int block = dq_fragment_offset(lane, 0, kColumns) - (lane % 32) * 4;  // the warp's staged block
   if constexpr (T::kDqBulk) {
     if (bulk) {
       float* staged = st.dq.data + region * kRegion + dq_fragment_offset(lane, 0, kColumns);
       CUTE_UNROLL
       for (int j = 0; j < size(acc) / 4; ++j)
         *reinterpret_cast<float4*>(staged + j * 128) = make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+      if (!deterministic) return tile_region() + block;
       cutlass::arch::fence_view_async_shared();  // the stores before the bulk reduction reads them
     }
   }
@@ -149,14 +172,10 @@ __device__ __forceinline__ void add_dq(const Acc& acc, typename T::SharedStorage
       fence_proxy_async_global();  // the earlier routes' adds before this one's bulk reduction
     }
     fwd::barrier_sync(kDqOrderBarrier, kThreads);
-  } else if (bulk) {
-    __syncwarp();  // the warp's staged block, fenced by each lane, before its leader's reduction
   }
   if (tiled) {
-    const std::int64_t tile = (dq_padded_start(p, b) + step.q0) / 64;
-    float* dst = ws.dq_accum + dq_tile_offset(ws.geometry.dq_tiles, step.head, tile, kHeadDim) + region * kRegion;
+    float* dst = tile_region();
     if constexpr (T::kDqBulk) {
-      const int block = dq_fragment_offset(lane, 0, kColumns) - (lane % 32) * 4;  // the warp's block
       if (dq_bulk_leader(dq_tid)) bulk_reduce_add(dst + block, st.dq.data + region * kRegion + block, 16 * kColumns * 4);
     } else {
       // The fragment's values in order, 16 bytes per reduction, no predicates (rows past the
@@ -177,6 +196,7 @@ __device__ __forceinline__ void add_dq(const Acc& acc, typename T::SharedStorage
     fwd::barrier_sync(kDqOrderBarrier, kThreads);
     if (dq_tid == 0) store_release(semaphore(), step.route.position + 1);
   }
+  return nullptr;
 }
 
 }  // namespace bsattn::gpu::bwd

@@ -175,6 +175,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   using ScoreShape = std::conditional_t<T::kOwnRows, Shape<Int<kBlockN>, _64>, Shape<_64, Int<kBlockN>>>;
   const auto query_major = [](auto&& t) { return query_major_of(t, std::bool_constant<T::kOwnRows>{}); };
   Barrier::wait(&st.kv_full, 0);
+  float* staged_dq = nullptr;  // the previous step's staged dQ block, to be bulk-added (add_dq)
 
   for (int i = 0;; ++i) {
     const int stage = i % kStages;
@@ -192,6 +193,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // negative index cost sign fix-ups (LEA.HI / SHF.R.S32) every step.
     const int ltid = fwd::opaque_thread_index() - T::kProducerThreads;
     __builtin_assume(ltid >= 0 && ltid < T::kConsumerThreads);
+    const int dq_tid = ltid - 128 * T::kDqWarpgroup0;
     auto thr_sdp = mma_sdp.get_thread_slice(ltid);
     auto ops_sdp = mma_sdp.get_thread_slice(warpgroup * 128);  // the operands' slice: descriptors
     Tensor sQ = make_tensor(make_smem_ptr(st.q), typename T::SmemLayoutQ{});
@@ -217,6 +219,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                            ops_sdp.partition_fragment_B(sV), tdPrdP);
     }
     mark(fwd::kBwdDpIssued);
+    if constexpr (T::kDqBulk)
+      if (staged_dq) issue_staged_dq<T>(st, staged_dq, dq_tid);  // under the S and dP GEMMs
     // S is complete (dP may still run): the route mask exactly as in the forward, P, and P out
     // (registers or shared memory) under the dP GEMM. The views below are (query row, KV column)
     // in either orientation.
@@ -287,7 +291,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     cutlass::arch::fence_view_async_shared();  // P and dS (generic-proxy stores) before the wgmma reads
     mark(fwd::kBwdDsStored);
     const bool dq_warpgroup = T::kDqWarpgroup0 == 0 || wg >= T::kDqWarpgroup0;  // no compare if both
-    const int dq_tid = ltid - 128 * T::kDqWarpgroup0;
     // The previous step's staged dQ has been read by its bulk reductions before anyone passes the
     // barrier and stores this step's (issued a whole step ago: no wait in practice).
     if constexpr (T::kDqBulk)
@@ -300,8 +303,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const auto add_dq_after = [&](auto& acc_dq) {
       warpgroup_fence_operand(acc_dq);
       mark(fwd::kBwdDqDone);
-      add_dq<T>(acc_dq, st, step, ws, packed_base, a, si, b, deterministic != 0, deterministic != 0 && walk.last_of_record(step),
-                dq_tid);
+      staged_dq = add_dq<T>(acc_dq, st, step, ws, packed_base, a, si, b, deterministic != 0,
+                            deterministic != 0 && walk.last_of_record(step), dq_tid);
       mark(fwd::kBwdDqAdded);
     };
     const auto issue_dkv = [&]() {
@@ -341,8 +344,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     __syncwarp();  // the warp's reads of the stage before its leader releases it
     if (ltid % 32 == 0) Barrier::arrive(&st.empty[stage]);  // the stage's last readers are done
   }
-  if constexpr (T::kDqBulk)
-    if (wg >= T::kDqWarpgroup0 && dq_bulk_leader(ctid - 128 * T::kDqWarpgroup0)) fwd::bulk_store_wait<false>();
+  if constexpr (T::kDqBulk) {
+    const int dq_tid = ctid - 128 * T::kDqWarpgroup0;
+    if (staged_dq) issue_staged_dq<T>(st, staged_dq, dq_tid);
+    if (wg >= T::kDqWarpgroup0 && dq_bulk_leader(dq_tid)) fwd::bulk_store_wait<false>();
+  }
   const volatile DkvTarget& target = st.dkv_target;
   const int n_owned = target.rows;
   if constexpr (T::kOwnRows) {
