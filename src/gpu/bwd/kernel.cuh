@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     mark(fwd::kBwdDsStored);
     const bool dq_warpgroup = T::kDqWarpgroup0 == 0 || wg >= T::kDqWarpgroup0;  // no compare if both
     // The previous step's staged dQ has been read by its bulk reductions before anyone passes the
-    // barrier and stores this step's (issued a whole step ago: no wait in practice).
+    // barrier and stores this step's (issued at this step's top, under its S and dP GEMMs).
     if constexpr (T::kDqBulk)
       if (dq_warpgroup && dq_bulk_leader(dq_tid)) fwd::bulk_store_wait<true>();
     fwd::barrier_sync(kStepBarrier, T::kConsumerThreads);
