@@ -109,6 +109,23 @@ struct StepWalk {
     return ((2u << last) - 1u) & ~((1u << first) - 1u);
   }
 
+  // The first 64-row step at or after `sub` of column entry r whose rows start in the sequence
+  // and take the route; -1 if none.
+  BSATTN_HD int next_sub(const ColumnRoute& r, int sub) const {
+    for (; sub * 64 < tile_m; ++sub) {
+      if (r.q_tile * tile_m + sub * 64 >= seqlen_q) break;
+      if (r.rows & step_units(sub)) return sub;
+    }
+    return -1;
+  }
+  // Moves s to step `sub` of entry r.
+  BSATTN_HD bool take(Step& s, const ColumnRoute& r, int sub) const {
+    s.route = r;
+    s.sub = sub;
+    s.q0 = r.q_tile * tile_m + sub * 64;
+    s.units = step_units(sub);
+    return true;
+  }
   // Moves s to the first step at or after (head, record, sub) whose rows lie in the sequence
   // and take the route; false at the end.
   BSATTN_HD bool seek(Step& s) const {
@@ -118,30 +135,15 @@ struct StepWalk {
       const int count = counts[column];
       for (; s.record < count; ++s.record, s.sub = 0) {
         const ColumnRoute r = columns[column * capacity + s.record];
-        for (; s.sub * 64 < tile_m; ++s.sub) {
-          const int q0 = r.q_tile * tile_m + s.sub * 64;
-          if (q0 >= seqlen_q) break;
-          const unsigned units = step_units(s.sub);
-          if (r.rows & units) {
-            s.route = r;
-            s.q0 = q0;
-            s.units = units;
-            return true;
-          }
-        }
+        const int sub = next_sub(r, s.sub);
+        if (sub >= 0) return take(s, r, sub);
       }
     }
     return false;
   }
   // Whether s is the last step of its column entry (no later 64-row step of the Q tile lies in
   // the sequence and takes the route): the deterministic dQ order moves on after it.
-  BSATTN_HD bool last_of_record(const Step& s) const {
-    for (int sub = s.sub + 1; sub * 64 < tile_m; ++sub) {
-      if (s.route.q_tile * tile_m + sub * 64 >= seqlen_q) break;
-      if (s.route.rows & step_units(sub)) return false;
-    }
-    return true;
-  }
+  BSATTN_HD bool last_of_record(const Step& s) const { return next_sub(s.route, s.sub + 1) < 0; }
   BSATTN_HD bool first(Step& s) const {
     s.head = head_begin;
     s.record = 0;
@@ -151,15 +153,8 @@ struct StepWalk {
   // The entry's later steps first, from the route s holds: no reload of the column's count and
   // entry (dependent global loads) and no sparsity head division per step.
   BSATTN_HD bool next(Step& s) const {
-    for (++s.sub; s.sub * 64 < tile_m; ++s.sub) {
-      s.q0 += 64;
-      if (s.q0 >= seqlen_q) break;
-      const unsigned units = step_units(s.sub);
-      if (s.route.rows & units) {
-        s.units = units;
-        return true;
-      }
-    }
+    const int sub = next_sub(s.route, s.sub + 1);
+    if (sub >= 0) return take(s, s.route, sub);
     ++s.record;
     s.sub = 0;
     return seek(s);
