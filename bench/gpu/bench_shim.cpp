@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -63,6 +64,38 @@ void bind_block_lists(const bsattn::Problem& p, bsattn::Inputs& in, void* cnt, v
   in.partial.indices = view(idx, bsattn::DType::i32, {p.sparsity_batch, p.sparsity_heads, nqb, nkb});
 }
 
+// The fields every benchmark plan sets: shape, dtype (O in the same), blocks, the GPU, no
+// value checks; one partial set unless the caller says otherwise.
+bsattn::Problem gpu_problem(int batch, int hq, int hkv, int head_dim, bsattn::DType dtype, int bq, int bk) {
+  bsattn::Problem p;
+  p.batch = batch;
+  p.heads_q = hq;
+  p.heads_kv = hkv;
+  p.head_dim = head_dim;
+  p.dtype = p.out_dtype = dtype;
+  p.block = {bq, bk};
+  p.sparsity_batch = 1;
+  p.sparsity_heads = 1;
+  p.has_partial = true;
+  p.has_full = false;
+  p.device = bsattn::Device::cuda;
+  p.validate = false;
+  return p;
+}
+
+// A planned handle for `p`, or null with the error recorded (nothing leaks when plan() throws).
+void* planned(const bsattn::Problem& p) {
+  try {
+    auto b = std::make_unique<BenchPlan>();
+    b->problem = p;
+    b->plan.plan(p);
+    return b.release();
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return nullptr;
+  }
+}
+
 // O [B, Sq, Hq, D] (out_dtype) and, when lse is not null, LSE [B, Hq, Sq] f32 of a batched plan.
 bsattn::Outputs batched_outputs(const bsattn::Problem& p, void* out, void* lse) {
   bsattn::Outputs o;
@@ -78,31 +111,13 @@ extern "C" {
 // window_left < 0: none. Returns null on error (bsattn_bench_error says why).
 void* bsattn_bench_plan(int batch, int seqlen, int hq, int hkv, int head_dim, int f16, int bq, int bk, int format,
                         int sparsity_heads, int causal, int window_left) {
-  try {
-    auto* b = new BenchPlan;
-    bsattn::Problem& p = b->problem;
-    p.batch = batch;
-    p.heads_q = hq;
-    p.heads_kv = hkv;
-    p.head_dim = head_dim;
-    p.max_seqlen_q = p.max_seqlen_kv = seqlen;
-    p.dtype = p.out_dtype = f16 ? bsattn::DType::f16 : bsattn::DType::bf16;
-    p.block = {bq, bk};
-    p.format = format == 0 ? bsattn::Format::all_blocks : bsattn::Format::block_lists;
-    p.sparsity_heads = sparsity_heads;
-    p.sparsity_batch = 1;
-    p.has_partial = true;
-    p.has_full = false;
-    p.mask.causal = causal != 0;
-    p.mask.window_left = window_left;
-    p.device = bsattn::Device::cuda;
-    p.validate = false;
-    b->plan.plan(p);
-    return b;
-  } catch (const std::exception& e) {
-    g_error = e.what();
-    return nullptr;
-  }
+  bsattn::Problem p = gpu_problem(batch, hq, hkv, head_dim, f16 ? bsattn::DType::f16 : bsattn::DType::bf16, bq, bk);
+  p.max_seqlen_q = p.max_seqlen_kv = seqlen;
+  p.format = format == 0 ? bsattn::Format::all_blocks : bsattn::Format::block_lists;
+  p.sparsity_heads = sparsity_heads;
+  p.mask.causal = causal != 0;
+  p.mask.window_left = window_left;
+  return planned(p);
 }
 
 // q/out [B, S, Hq, D], k/v [B, S, Hkv, D], lse [B, Hq, S] (may be null), cnt [1, Hs, nQB] and
@@ -177,16 +192,8 @@ int bsattn_bench_summaries(int batch, int seqlen, int hkv, int head_dim, int f16
 int bsattn_bench_select(int batch, int seqlen, int hq, int hkv, int head_dim, int f16, int bq, int bk, int policy,
                         double value, int kv_rows, int causal, void* q, void* k_summary, void* bits, void* stream) {
   try {
-    bsattn::Problem p;
-    p.batch = batch;
-    p.heads_q = hq;
-    p.heads_kv = hkv;
-    p.head_dim = head_dim;
+    bsattn::Problem p = gpu_problem(batch, hq, hkv, head_dim, f16 ? bsattn::DType::f16 : bsattn::DType::bf16, bq, bk);
     p.max_seqlen_q = p.max_seqlen_kv = seqlen;
-    p.dtype = p.out_dtype = f16 ? bsattn::DType::f16 : bsattn::DType::bf16;
-    p.block = {bq, bk};
-    p.device = bsattn::Device::cuda;
-    p.validate = false;
     bsattn::SelectOptions o;
     o.policy = static_cast<bsattn::SelectPolicy>(policy);
     o.top_k = static_cast<int>(value);
@@ -235,40 +242,20 @@ int bsattn_bench_merge_states(int parts, int batch, int seqlen, int heads, int h
 void* bsattn_bench_plan_kv_lists(int batch, int seqlen_q, int seqlen_kv, int hq, int hkv, int head_dim, int causal,
                                  int page_size, int pages_per_seq, int num_pages, int format, int bk,
                                  int sparsity_batch, int sparsity_heads) {
-  try {
-    auto* b = new BenchPlan;
-    bsattn::Problem& p = b->problem;
-    p.batch = batch;
-    p.heads_q = hq;
-    p.heads_kv = hkv;
-    p.head_dim = head_dim;
-    p.max_seqlen_q = seqlen_q;
-    p.max_seqlen_kv = seqlen_kv;
-    p.dtype = p.out_dtype = bsattn::DType::bf16;
-    p.block = {128, format == 0 ? 128 : bk};
-    p.format = format == 0 ? bsattn::Format::all_blocks : bsattn::Format::block_lists;
-    p.sparsity_batch = format == 0 ? 1 : sparsity_batch;
-    p.sparsity_heads = format == 0 ? 1 : sparsity_heads;
-    p.mask.causal = causal != 0;
-    if (page_size > 0) {
-      p.kv_layout = bsattn::KVLayout::paged;
-      p.page_size = page_size;
-      p.pages_per_seq = pages_per_seq;
-      p.num_pages = num_pages;
-    }
-    p.device = bsattn::Device::cuda;
-    p.validate = false;
-    try {
-      b->plan.plan(p);
-    } catch (...) {
-      delete b;
-      throw;
-    }
-    return b;
-  } catch (const std::exception& e) {
-    g_error = e.what();
-    return nullptr;
+  bsattn::Problem p = gpu_problem(batch, hq, hkv, head_dim, bsattn::DType::bf16, 128, format == 0 ? 128 : bk);
+  p.max_seqlen_q = seqlen_q;
+  p.max_seqlen_kv = seqlen_kv;
+  p.format = format == 0 ? bsattn::Format::all_blocks : bsattn::Format::block_lists;
+  p.sparsity_batch = format == 0 ? 1 : sparsity_batch;
+  p.sparsity_heads = format == 0 ? 1 : sparsity_heads;
+  p.mask.causal = causal != 0;
+  if (page_size > 0) {
+    p.kv_layout = bsattn::KVLayout::paged;
+    p.page_size = page_size;
+    p.pages_per_seq = pages_per_seq;
+    p.num_pages = num_pages;
   }
+  return planned(p);
 }
 
 // The run of a bsattn_bench_plan_kv_lists plan: block_table and seq_lens_kv null when contiguous,
@@ -432,33 +419,15 @@ int bsattn_bench_run_backward(void* handle, void* q, void* k, void* v, void* cnt
 // Returns null on error (bsattn_bench_error says why).
 void* bsattn_bench_plan_varlen(int batch, int max_seqlen, std::int64_t total, int hq, int hkv, int head_dim, int f16,
                                int bq, int bk, int causal, int window_left) {
-  try {
-    auto* b = new BenchPlan;
-    bsattn::Problem& p = b->problem;
-    p.batch = batch;
-    p.heads_q = hq;
-    p.heads_kv = hkv;
-    p.head_dim = head_dim;
-    p.max_seqlen_q = p.max_seqlen_kv = max_seqlen;
-    p.q_layout = bsattn::QLayout::varlen;
-    p.kv_layout = bsattn::KVLayout::contiguous;
-    p.total_q = p.total_kv = total;
-    p.dtype = p.out_dtype = f16 ? bsattn::DType::f16 : bsattn::DType::bf16;
-    p.block = {bq, bk};
-    p.format = bsattn::Format::all_blocks;
-    p.sparsity_heads = 1;
-    p.has_partial = true;
-    p.has_full = false;
-    p.mask.causal = causal != 0;
-    p.mask.window_left = window_left;
-    p.device = bsattn::Device::cuda;
-    p.validate = false;
-    b->plan.plan(p);
-    return b;
-  } catch (const std::exception& e) {
-    g_error = e.what();
-    return nullptr;
-  }
+  bsattn::Problem p = gpu_problem(batch, hq, hkv, head_dim, f16 ? bsattn::DType::f16 : bsattn::DType::bf16, bq, bk);
+  p.max_seqlen_q = p.max_seqlen_kv = max_seqlen;
+  p.q_layout = bsattn::QLayout::varlen;
+  p.kv_layout = bsattn::KVLayout::contiguous;
+  p.total_q = p.total_kv = total;
+  p.format = bsattn::Format::all_blocks;
+  p.mask.causal = causal != 0;
+  p.mask.window_left = window_left;
+  return planned(p);
 }
 
 // q/out [total, Hq, D], k/v [total, Hkv, D], cu_seqlens [B + 1] int32 (queries and keys), lse
