@@ -40,7 +40,7 @@ namespace bsattn::gpu::fwd {
 // template flags as in forward_kernel_ws; `pair_rank`: the CTA's rank in a pair cluster (else 0).
 template <class T, bool kTokenTensors, bool kProxy, bool kFromLengths>
 __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, const AttentionParams& a,
-                                              const LaunchDescriptors& desc, const TileHandoff& handoff, bool tma,
+                                              const LaunchDescriptors& desc, const TileHandoff<T::kThreads>& handoff, bool tma,
                                               int wg, int tid, int pair_rank) {
   using C = WsConfig<T>;
   using Element = typename T::Element;

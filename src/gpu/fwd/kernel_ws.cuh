@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
   if (tid == 0) timeline_mark(desc.timeline, kDependencyMet);
   // Tile handoff (producer_roles.cuh): slot t % 2 holds this CTA's tile t, decoded one ahead by
   // the tile warp.
-  const TileHandoff handoff{T::kThreads + 32 + (tma ? 32 : kLoaderThreads)};
+  const TileHandoff<T::kThreads> handoff{tma ? 32 : kLoaderThreads};
 
   if (role == 0) {
     // ---------------------------------------------------------------- producer warpgroup

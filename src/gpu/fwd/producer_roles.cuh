@@ -14,25 +14,40 @@
 namespace bsattn::gpu::fwd {
 
 // Slot t % 2 of shared memory holds the CTA's tile t. The tile warp (lane 0 claims and decodes)
-// writes the slot and arrives on kFull + slot; the K/V loader and the consumers sync on it and
-// read the slot in place while they work on the tile. The loader arrives on kEmpty + slot when
-// it has issued the tile's loads, the consumers when they start tile t + 1; the tile warp syncs
-// on it before writing tile t + 2 there. So tiles are decoded one ahead. Named barriers (not
-// mbarriers): compute-sanitizer's racecheck sees the ordering. Named barrier ids: 0
-// __syncthreads; 1, 2 the consumer warpgroups; 3, 4 ping-pong; 5-8 the handoff; 9 the epilogue.
-// The slots are named at each use rather than held here: a pointer held across the consumers'
-// loop took a register there (the decode kernel's consumers spilled).
+// writes the slot and arrives on two barriers of the slot: kFull + slot, which the consumers sync
+// on, and kLoaderFull + slot, which the K/V loader syncs on; both read the slot in place while
+// they work on the tile. The loader arrives on kEmpty + slot when it has issued the tile's loads,
+// the consumers when they start tile t + 1; the tile warp syncs on it before writing tile t + 2
+// there. So tiles are decoded one ahead, and the loader moves on to tile t + 1 as soon as it has
+// issued tile t's last loads: with one full barrier for both it waited for the consumers to take
+// tile t + 1 after their last PV of tile t, so the next tile's first K load was issued, and
+// waited for, at the boundary (bench/RESULTS.md, 2026-12-06). Named barriers (not mbarriers):
+// compute-sanitizer's racecheck sees the ordering. Named barrier ids: 0 __syncthreads; 1, 2 the
+// consumer warpgroups; 3, 4 ping-pong; 5-8 and 10, 11 the handoff; 9 the epilogue. The slots are
+// named at each use rather than held here: a pointer held across the consumers' loop took a
+// register there (the decode kernel's consumers spilled).
+template <int kConsumerThreads>
 struct TileHandoff {
-  static constexpr int kFull = 5, kEmpty = 7;
-  int threads;  // the consumers, the tile warp and the loader's warps
+  static constexpr int kFull = 5, kEmpty = 7, kLoaderFull = 10;
+  static constexpr int kTileWarp = 32;
+  int loader_threads;  // the K/V loader's warps, as a barrier counts them (a TMA issuer's warp: 32)
 
-  // Reader side of tile t: null when there is no more work (then nothing is released).
+  __device__ __forceinline__ int everyone() const { return kConsumerThreads + kTileWarp + loader_threads; }
+  // Tile warp: slot s is written.
+  __device__ __forceinline__ void publish(int s) const {
+    barrier_arrive(kFull + s, kConsumerThreads + kTileWarp);
+    barrier_arrive(kLoaderFull + s, kTileWarp + loader_threads);
+  }
+  // Consumers' side of tile t: null when there is no more work (then nothing is released).
   __device__ __forceinline__ const Tile* take(const Tile (&slots)[2], int t) const {
-    barrier_sync(kFull + (t & 1), threads);
+    barrier_sync(kFull + (t & 1), kConsumerThreads + kTileWarp);
     const Tile* tile = &slots[t & 1];
     return tile->row < 0 ? nullptr : tile;
   }
-  __device__ __forceinline__ void release(int t) const { barrier_arrive(kEmpty + (t & 1), threads); }
+  // Loader's side of the tile in slot s.
+  __device__ __forceinline__ void take_for_loader(int s) const { barrier_sync(kLoaderFull + s, kTileWarp + loader_threads); }
+  __device__ __forceinline__ void release(int t) const { barrier_arrive(kEmpty + (t & 1), everyone()); }
+  __device__ __forceinline__ void wait_empty(int s) const { barrier_sync(kEmpty + s, everyone()); }
 };
 
 // The tile warp (`lane`: its lane). Tile t goes into slot t % 2. The loop walks the two slots in
@@ -42,7 +57,7 @@ struct TileHandoff {
 // before the wait for route preparation (a decode kernel with rows in index order), whatever
 // its route count; if that preparation overflowed, the warp leaves once Q has landed.
 template <class T, bool kProxy>
-__device__ __forceinline__ void run_tile_warp(const TileHandoff& handoff, Tile (&slots)[2], const AttentionParams& a,
+__device__ __forceinline__ void run_tile_warp(const TileHandoff<T::kThreads>& handoff, Tile (&slots)[2], const AttentionParams& a,
                                               const LaunchDescriptors& desc, typename T::SharedStorage& st,
                                               PipelineBarriers<T::kStages, T::kWarpgroups>& bars, const int* overflow,
                                               bool tma, bool q_early, bool may_overflow, bool from_lengths,
@@ -58,7 +73,7 @@ __device__ __forceinline__ void run_tile_warp(const TileHandoff& handoff, Tile (
     const int splits = T::kDecode ? desc.decode.kv_splits : 1;
     // Lane 0 alone reads the flag it writes below.
     if (__shfl_sync(0xffffffffu, lane == 0 ? slot.written : 0, 0))
-      barrier_sync(TileHandoff::kEmpty + s, handoff.threads);
+      handoff.wait_empty(s);
     if (lane == 0) {
       const int items = live_work_items(a, item_heads, splits);
       const int item = !prev.written ? first_item<kPair>() : next_item<kPair>(a, prev.item, items);
@@ -84,7 +99,7 @@ __device__ __forceinline__ void run_tile_warp(const TileHandoff& handoff, Tile (
       if (!prev.written) timeline_mark(desc.timeline, kTileDecoded);
     }
     __syncwarp();
-    barrier_arrive(TileHandoff::kFull + s, handoff.threads);
+    handoff.publish(s);
     if (!has_tile) return false;
     if (!q_early) load_q<T>(slot, s, tma, a, desc, st, bars, pair_rank, slot.count > 0);
     if (s == 0 && lane == 0 && !q_early && !prev.written) timeline_mark(desc.timeline, kQIssued);
@@ -99,13 +114,13 @@ __device__ __forceinline__ void run_tile_warp(const TileHandoff& handoff, Tile (
 // The K/V loader (`tid`: its thread, below the issuer count). A proxy kernel's windows follow a
 // tile's exact routes from the same threads.
 template <class T, bool kProxy>
-__device__ __forceinline__ void run_loader(const TileHandoff& handoff, const Tile (&slots)[2], const AttentionParams& a,
+__device__ __forceinline__ void run_loader(const TileHandoff<T::kThreads>& handoff, const Tile (&slots)[2], const AttentionParams& a,
                                            const LaunchDescriptors& desc, typename T::SharedStorage& st,
                                            PipelineBarriers<T::kStages, T::kWarpgroups>& bars, bool tma, int tid) {
   bool first_tile = true;  // for the timeline marks only
   const auto stream = [&](auto slot_index) -> bool {
     constexpr int s = decltype(slot_index)::value;
-    barrier_sync(TileHandoff::kFull + s, handoff.threads);
+    handoff.take_for_loader(s);
     const Tile& slot = slots[s];
     if (slot.row < 0) return false;
     if (tid == 0 && first_tile) timeline_mark(desc.timeline, kLoaderHasTile);
@@ -113,7 +128,7 @@ __device__ __forceinline__ void run_loader(const TileHandoff& handoff, const Til
     if constexpr (kProxy) load_proxy_windows<T>(slot, tma, a, desc, st, bars, tid);
     if (tid == 0 && first_tile) timeline_mark(desc.timeline, kLoaderIssued);
     first_tile = false;
-    barrier_arrive(TileHandoff::kEmpty + s, handoff.threads);
+    handoff.release(s);
     return true;
   };
   while (stream(Int<0>{}) && stream(Int<1>{})) {
