@@ -94,7 +94,7 @@ __device__ __forceinline__ auto acc_as_a_operand(L acc) {
 }
 
 // Named barriers by their hardware id (1-15; 0 is __syncthreads). CUTLASS's NamedBarrier adds
-// its reserved count (8) to user ids, which leaves too few for this kernel's nine. The
+// its reserved count (8) to user ids, which leaves too few for this kernel's eleven. The
 // non-.aligned forms: a warp counts once, with its non-exited threads (the TMA loader is one
 // thread of its warp, and lanes of the tile warp and of the consumers diverge before some of
 // them); `bar` (.aligned) there is undefined, and compute-sanitizer's synccheck reports it.
