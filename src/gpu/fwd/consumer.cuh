@@ -40,8 +40,9 @@ namespace bsattn::gpu::fwd {
 // template flags as in forward_kernel_ws; `pair_rank`: the CTA's rank in a pair cluster (else 0).
 template <class T, bool kTokenTensors, bool kProxy, bool kFromLengths>
 __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, const AttentionParams& a,
-                                              const LaunchDescriptors& desc, const TileHandoff<T::kThreads>& handoff, bool tma,
-                                              int wg, int tid, int pair_rank) {
+                                              const LaunchDescriptors& desc,
+                                              const TileHandoff<T::kThreads>& handoff, bool tma, int wg, int tid,
+                                              int pair_rank) {
   using C = WsConfig<T>;
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;

@@ -45,7 +45,9 @@ struct TileHandoff {
     return tile->row < 0 ? nullptr : tile;
   }
   // Loader's side of the tile in slot s.
-  __device__ __forceinline__ void take_for_loader(int s) const { barrier_sync(kLoaderFull + s, kTileWarp + loader_threads); }
+  __device__ __forceinline__ void take_for_loader(int s) const {
+    barrier_sync(kLoaderFull + s, kTileWarp + loader_threads);
+  }
   __device__ __forceinline__ void release(int t) const { barrier_arrive(kEmpty + (t & 1), everyone()); }
   __device__ __forceinline__ void wait_empty(int s) const { barrier_sync(kEmpty + s, everyone()); }
 };
@@ -57,8 +59,9 @@ struct TileHandoff {
 // before the wait for route preparation (a decode kernel with rows in index order), whatever
 // its route count; if that preparation overflowed, the warp leaves once Q has landed.
 template <class T, bool kProxy>
-__device__ __forceinline__ void run_tile_warp(const TileHandoff<T::kThreads>& handoff, Tile (&slots)[2], const AttentionParams& a,
-                                              const LaunchDescriptors& desc, typename T::SharedStorage& st,
+__device__ __forceinline__ void run_tile_warp(const TileHandoff<T::kThreads>& handoff, Tile (&slots)[2],
+                                              const AttentionParams& a, const LaunchDescriptors& desc,
+                                              typename T::SharedStorage& st,
                                               PipelineBarriers<T::kStages, T::kWarpgroups>& bars, const int* overflow,
                                               bool tma, bool q_early, bool may_overflow, bool from_lengths,
                                               int pair_rank, int lane) {
@@ -114,8 +117,9 @@ __device__ __forceinline__ void run_tile_warp(const TileHandoff<T::kThreads>& ha
 // The K/V loader (`tid`: its thread, below the issuer count). A proxy kernel's windows follow a
 // tile's exact routes from the same threads.
 template <class T, bool kProxy>
-__device__ __forceinline__ void run_loader(const TileHandoff<T::kThreads>& handoff, const Tile (&slots)[2], const AttentionParams& a,
-                                           const LaunchDescriptors& desc, typename T::SharedStorage& st,
+__device__ __forceinline__ void run_loader(const TileHandoff<T::kThreads>& handoff, const Tile (&slots)[2],
+                                           const AttentionParams& a, const LaunchDescriptors& desc,
+                                           typename T::SharedStorage& st,
                                            PipelineBarriers<T::kStages, T::kWarpgroups>& bars, bool tma, int tid) {
   bool first_tile = true;  // for the timeline marks only
   const auto stream = [&](auto slot_index) -> bool {
