@@ -48,6 +48,7 @@ struct TileHandoff {
   __device__ __forceinline__ void take_for_loader(int s) const {
     barrier_sync(kLoaderFull + s, kTileWarp + loader_threads);
   }
+  // Consumers (tile t) and loader (its slot, t & 1): done with the slot.
   __device__ __forceinline__ void release(int t) const { barrier_arrive(kEmpty + (t & 1), everyone()); }
   __device__ __forceinline__ void wait_empty(int s) const { barrier_sync(kEmpty + s, everyone()); }
 };
