@@ -7,8 +7,8 @@
 // that one's softmax runs under the other's GEMMs; each waits on the stage barriers and releases
 // the stages it read. Within a consumer, S(i+1) is issued before PV(i), and with two warpgroups
 // the softmax of route i+1 is pinned ahead of the wait for PV(i), so it runs under both that GEMM
-// and the other warpgroup's. The epilogue goes through shared memory (the last route's K/V
-// stages) while the loader already streams the next tile and the next Q has landed.
+// and the other warpgroup's. The epilogue goes through shared memory (O's own buffer, else the
+// last route's K/V stages) while the loader already streams the next tile and the next Q has landed.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -48,7 +48,11 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
   constexpr bool kPair = T::kPairMulticast;
-  constexpr int kEpilogueSync = 9;  // named barrier of the consumers' epilogue
+  // O's staging (epilogue.cuh): a buffer of its own per warpgroup where shared memory has room
+  // (WsConfig::kOutputBuffer), else the last route's K stage (warpgroup 0) or V stage (warpgroup
+  // 1) after a barrier of the consumer warpgroups (named barrier 9).
+  constexpr bool kOutputBuffer = C::kOutputBuffer;
+  constexpr int kEpilogueSync = 9;
   auto& st = sm.tiles;
   auto& bars = sm.bars;
   const route::RouteParams& p = a.route;
@@ -103,9 +107,9 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
     }
   };
   // After S GEMM j (< last: the tile's last pipeline position) the K stage goes back to the loader.
-  // The tile's last S GEMM keeps its K stage for the epilogue (which stages O there) and returns
-  // the Q buffer to the tile warp instead, so the next tile's Q loads under the last softmax, PV
-  // and the epilogue. One predicated arrival on a chosen barrier, no branch.
+  // The tile's last S GEMM keeps its K stage (until the last PV, or for the epilogue to stage O)
+  // and returns the Q buffer to the tile warp instead, so the next tile's Q loads under the last
+  // softmax, PV and the epilogue. One predicated arrival on a chosen barrier, no branch.
   auto release_k_or_q = [&](int j, int last) {
     const bool k = j < last;
     arrive_if(k ? &bars.empty_k[Slot(j).stage] : &bars.empty_q[wg], warp_leader);
@@ -120,7 +124,7 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
   // last S GEMM of tile t freed the buffer). The waits are the same on every path (a branch
   // between wait_group<1> and <0> made ptxas serialise every wgmma: C7514).
   bool s_issued = false;  // S(first route) of `next` is in flight
-  const Tile* next = handoff.take(sm.tile, 0);
+  const Tile* next = handoff.take(sm.tile, 0, wg);
   const bool marker = tid == 128;  // timeline marks: consumer warpgroup 0's first thread
   if (marker) timeline_mark(desc.timeline, kConsumerHasTile);
   for (int t = 0; next; ++t) {
@@ -199,7 +203,8 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
     };
     const auto proxy_records = [&](int) { return ProxyRecords<kBlockN>(tile, proxy_cursor); };
 
-    // The last route's K and V stages stay held through the epilogue, which stages O in them.
+    // The last route's K and V stages stay held until the last PV is done, or, without O's own
+    // buffer, through the epilogue, which stages O in them.
     const int last = base + count - 1;
     // What the epilogue needs of the slot, read before the next tile is taken: racecheck did not
     // follow the slot's release (TileHandoff::release) for reads between taking the next tile and it.
@@ -214,7 +219,7 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
         shift.lse = tile.split * desc.decode.lse_split_step;
         out_unit = tile.item / desc.decode.kv_splits;
       }
-      return handoff.take(sm.tile, t + 1);
+      return handoff.take(sm.tile, t + 1, wg);
     };
     if (count > 0) {
       release_k_or_q(base, last);
@@ -299,6 +304,13 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
       }
       wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
       warpgroup_wait<1>();  // the last PV is done
+      // With a buffer of its own for O, the last stages go back to the loader now, so the next
+      // tile's loads do not wait for the epilogue. (A discarded S GEMM may still read the K
+      // stage: its result is never used.)
+      if constexpr (kOutputBuffer) {
+        release(bars.empty_k, last);
+        release(bars.empty_v, last);
+      }
     } else {
       next = take_next();
       s_issued = false;
@@ -310,11 +322,13 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
       float inv[kRows], lse[kRows];
       softmax.finish(inv, lse, a.scale);
       scale_rows(o_rc, inv);
-      // O is staged in the last route's K stage (warpgroup 0) or V stage (warpgroup 1), each at
-      // least 64 x D, once every consumer warpgroup is done with them; a tile without routes
-      // stages it in its own Q buffer.
+      // O is staged in the warpgroup's buffer, or in the last route's K stage (warpgroup 0) or V
+      // stage (warpgroup 1), each at least 64 x D, once every consumer warpgroup is done with
+      // them; without a buffer, a tile without routes stages it in its own Q buffer.
       char* stage = reinterpret_cast<char*>(st.q[wg]);
-      if (count > 0) {
+      if constexpr (kOutputBuffer) {
+        stage = reinterpret_cast<char*>(sm.out.o[wg]);
+      } else if (count > 0) {
         barrier_sync(kEpilogueSync, T::kThreads);
         stage = reinterpret_cast<char*>(wg == 0 ? st.k + Slot(last).stage * kBlockN * kHeadDim
                                                 : st.v + Slot(last).stage * kBlockN * kHeadDim);
@@ -331,8 +345,8 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
         // Thread 0's coordinates: what the epilogue may fold at compile time (epilogue.cuh).
         Tensor tOcO0 = mma_pv.get_thread_slice(0).partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
         Tensor co_rc0 = make_tensor(tOcO0.data(), acc_rowcol(tOcO0.layout()));
-        store_output<kHeadDim>(o_rc, co_rc, co_rc0, lse, stage, a, desc.tma_out ? &desc.o : nullptr, out_si, out_b,
-                               head, q_begin, tile_rows, shift, ltid, wg_barrier);
+        store_output<kHeadDim, kOutputBuffer>(o_rc, co_rc, co_rc0, lse, stage, a, desc.tma_out ? &desc.o : nullptr,
+                                              out_si, out_b, head, q_begin, tile_rows, shift, ltid, wg_barrier);
       }
       if (marker && t == 0) timeline_mark(desc.timeline, kConsumerStored);
       if constexpr (T::kDecode) {
@@ -341,10 +355,12 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
       }
     }
     if (count > 0) {
-      cutlass::arch::fence_view_async_shared();  // the staging accesses before the next bulk copies
-      __syncwarp();
-      release(bars.empty_k, last);
-      release(bars.empty_v, last);
+      if constexpr (!kOutputBuffer) {
+        cutlass::arch::fence_view_async_shared();  // the staging accesses before the next bulk copies
+        __syncwarp();
+        release(bars.empty_k, last);
+        release(bars.empty_v, last);
+      }
     } else {
       release_q();
     }

@@ -5,8 +5,9 @@
 // The staging layout is that of 128-byte-swizzled bulk tensor boxes (64 rows x 128 bytes each),
 // so a 16-bit O whose 64 rows all lie in the sequence leaves with D/64 bulk tensor stores issued
 // by one thread: the warpgroup does not wait for the global writes, only that thread waits until
-// the copy has read the buffer (the buffer goes back to the producer after). Other tiles, and a
-// 4-byte O, are copied by the warpgroup's threads in 16-byte row segments.
+// the copy has read the buffer (the buffer goes back to the producer after), or, in a buffer the
+// warpgroup owns (kOwnBuffer), waits before the buffer's next use. Other tiles, and a 4-byte O,
+// are copied by the warpgroup's threads in 16-byte row segments.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -47,7 +48,7 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void*
 // in two column halves. `o_map`: the bulk tensor map of O (16-bit outputs), or null. The validator
 // guarantees O's base and strides are 16-byte aligned (SPEC: vector access). `shift`: elements
 // added to O's offsets (a decode split's partial result).
-template <class Out, int kHeadDim, bool kPacked, class TO, class TC>
+template <class Out, int kHeadDim, bool kOwnBuffer, bool kPacked, class TO, class TC>
 __device__ __forceinline__ void store_tile(const TO& o, const TC& c, const TC& c0, char* stage, const AttentionParams& a,
                                            const CUtensorMap* o_map, const route::SeqInfo& si, int b, int h,
                                            int q_begin, TileRows<kPacked> rows, std::int64_t shift, int wg_tid,
@@ -58,6 +59,10 @@ __device__ __forceinline__ void store_tile(const TO& o, const TC& c, const TC& c
   constexpr int kChunks = kRowBytes / 16;        // 16-byte chunks per row (>= 8)
   constexpr int kPerChunk = 16 / sizeof(Out);
   const bool bulk = kPasses == 1 && o_map != nullptr && q_begin + rows.tokens() <= si.seqlen_q;
+  if constexpr (kOwnBuffer) {  // the last tile's bulk store has read the buffer
+    if (wg_tid == 0) bulk_wait_read();
+    barrier_sync(barrier_id, 128);
+  }
   CUTE_UNROLL
   for (int pass = 0; pass < kPasses; ++pass) {
     CUTE_UNROLL
@@ -81,7 +86,8 @@ __device__ __forceinline__ void store_tile(const TO& o, const TC& c, const TC& c
         CUTE_UNROLL
         for (int box = 0; box < kHeadDim / 64; ++box)
           tma_store_4d(o_map, stage + box * 64 * 128, box * 64, token, h, a.route.varlen_q ? 0 : b);
-        bulk_store_wait<true>();
+        if constexpr (kOwnBuffer) bulk_commit();
+        else bulk_store_wait<true>();
       }
       return;
     }
@@ -118,8 +124,9 @@ __device__ __forceinline__ void store_rows_direct(const TO& o, const TC& c, cons
   }
 }
 
-// Normalised O (rowcol view `o`, coordinates `c` in the 64 x D tile) and LSE of one warpgroup.
-template <int kHeadDim, bool kPacked, class TO, class TC, int kRows>
+// Normalised O (rowcol view `o`, coordinates `c` in the 64 x D tile) and LSE of one warpgroup,
+// staged in `stage` (kOwnBuffer: a buffer only this warpgroup's epilogue uses).
+template <int kHeadDim, bool kOwnBuffer, bool kPacked, class TO, class TC, int kRows>
 __device__ __forceinline__ void store_output(const TO& o, const TC& c, const TC& c0, const float (&lse)[kRows],
                                              char* stage,
                                              const AttentionParams& a, const CUtensorMap* o_map,
@@ -145,14 +152,16 @@ __device__ __forceinline__ void store_output(const TO& o, const TC& c, const TC&
   }
   switch (a.out_type) {
     case ElementType::f32:
-      store_tile<float, kHeadDim>(o, c, c0, stage, a, nullptr, si, b, h, q_begin, rows, shift.out, wg_tid, barrier_id);
+      store_tile<float, kHeadDim, kOwnBuffer>(o, c, c0, stage, a, nullptr, si, b, h, q_begin, rows, shift.out, wg_tid,
+                                              barrier_id);
       break;
     case ElementType::f16:
-      store_tile<__half, kHeadDim>(o, c, c0, stage, a, o_map, si, b, h, q_begin, rows, shift.out, wg_tid, barrier_id);
+      store_tile<__half, kHeadDim, kOwnBuffer>(o, c, c0, stage, a, o_map, si, b, h, q_begin, rows, shift.out, wg_tid,
+                                               barrier_id);
       break;
     case ElementType::bf16:
-      store_tile<__nv_bfloat16, kHeadDim>(o, c, c0, stage, a, o_map, si, b, h, q_begin, rows, shift.out, wg_tid,
-                                          barrier_id);
+      store_tile<__nv_bfloat16, kHeadDim, kOwnBuffer>(o, c, c0, stage, a, o_map, si, b, h, q_begin, rows, shift.out,
+                                                      wg_tid, barrier_id);
       break;
   }
 }

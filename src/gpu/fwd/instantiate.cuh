@@ -74,10 +74,9 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
   } else if constexpr (kKind == KernelKind::rows128) {
     using Rows128 = Traits<Element, kHeadDim, 2, kBlockN>;
     if constexpr (kBlockN == 128) {  // 128-wide K/V tiles: halves of 64 tokens per CTA
-      // Three stages where they fit (D <= 128: 224 KB): the pair advances in lockstep and needs the
-      // slack (measured 0.93-0.98x the single-CTA kernel with two stages, 1.00-1.06x with three;
-      // the single-CTA kernel itself lost 4-7 % with three).
-      using Rows128Pair = Traits<Element, kHeadDim, 2, kBlockN, 1, kHeadDim <= 128 ? 3 : 2, true>;
+      // Two stages and O's own staging buffer (kernel_config.cuh), whose last stages go back to the
+      // loader when the last PV is done (experiment: three stages, no buffer, on main).
+      using Rows128Pair = Traits<Element, kHeadDim, 2, kBlockN, 1, 2, true>;
       if (!a) {
         const cudaError_t e = launch_forward_ws<Rows128Pair, kProxy>(nullptr, extents, overflow, stream);
         if (e != cudaSuccess) return e;

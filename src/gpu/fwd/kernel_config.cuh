@@ -33,16 +33,29 @@ struct WsConfig {
     static_assert(register_split_fits(kProducerThreads, kProducer, T::kThreads, kConsumer, T::kCtasPerSm),
                   "the consumers' registers exceed the CTA's allocation");
   };
-  struct SmemCore {
+  struct SmemOperands {
     typename T::SharedStorage tiles;
     PipelineBarriers<T::kStages, T::kWarpgroups> bars;
     Tile tile[2];  // work tiles handed from the tile warp to the loader and consumers (slot t % 2: tile t)
     SplitMerge split_merge;  // decode split-KV: the tile's merge job (merge_splits)
     float softmax_pin[kConsumerWarps];  // written, never read: keeps the softmax ahead of the PV wait (steady_step)
   };
+  static constexpr int kSmemLimit = (T::kCtasPerSm == 2 ? 112 : 226) * 1024;  // sizeof(Smem); + 1024 alignment
+  // O's staging buffer, 64 x D per consumer warpgroup (consumer.cuh, epilogue.cuh), where shared
+  // memory has room (not in a decode kernel, whose merge inbox takes what is left): the last
+  // route's K and V stages then go back to the loader when the last PV is done, rather than after
+  // the epilogue staged O in them (the two stages of a 128-row tile at D 128: 160 KB + 32 KB).
+  struct OutputBuffer {
+    alignas(1024) typename T::Element o[T::kWarpgroups][64 * T::kHeadDim];
+  };
+  static constexpr bool kOutputBuffer =
+      !T::kDecode && sizeof(SmemOperands) + sizeof(OutputBuffer) + 1024 <= static_cast<std::size_t>(kSmemLimit);
+  struct SmemWithOutputBuffer : SmemOperands {
+    OutputBuffer out;
+  };
+  using SmemCore = std::conditional_t<kOutputBuffer, SmemWithOutputBuffer, SmemOperands>;
   // Decode kernels: the inbox of the split merge in a cluster (split_merge.cuh), as many (row, split)
   // parts as the shared memory left allows (per CTA 227 KB, or 112 KB with two per SM), at most 64.
-  static constexpr int kSmemLimit = (T::kCtasPerSm == 2 ? 112 : 226) * 1024;  // sizeof(Smem); + 1024 alignment
   static constexpr int kInboxParts =
       T::kDecode ? cute::min(64, static_cast<int>((kSmemLimit - sizeof(SmemCore) - 64) / ((T::kHeadDim + 1) * 4)))
                  : 1;

@@ -22,25 +22,32 @@ namespace bsattn::gpu::fwd {
 // issued tile t's last loads: with one full barrier for both it waited for the consumers to take
 // tile t + 1 after their last PV of tile t, so the next tile's first K load was issued, and
 // waited for, at the boundary (bench/RESULTS.md, 2026-12-06). Named barriers (not mbarriers):
-// compute-sanitizer's racecheck sees the ordering. Named barrier ids: 0 __syncthreads; 1, 2 the
-// consumer warpgroups; 3, 4 ping-pong; 5-8 and 10, 11 the handoff; 9 the epilogue. The slots are
-// named at each use rather than held here: a pointer held across the consumers' loop took a
-// register there (the decode kernel's consumers spilled).
+// compute-sanitizer's racecheck sees the ordering. Each consumer warpgroup takes the tile from a
+// full barrier of its own (with the tile warp), so that neither waits for the other at the
+// boundary: with O staged in buffers of their own (WsConfig::kOutputBuffer) the ping-pong order of
+// their GEMMs runs on across tiles, and one warpgroup's epilogue runs under the other's GEMMs.
+// Named barrier ids: 0 __syncthreads; 1, 2 the consumer warpgroups; 3, 4 ping-pong; 5, 6, 12, 13
+// (consumers) and 7, 8, 10, 11 (empty, loader) the handoff; 9 the epilogue (consumer.cuh). The
+// slots are named at each use rather than held here: a pointer held across the consumers' loop
+// took a register there (the decode kernel's consumers spilled).
 template <int kConsumerThreads>
 struct TileHandoff {
-  static constexpr int kFull = 5, kEmpty = 7, kLoaderFull = 10;
+  static constexpr int kFull = 5, kEmpty = 7, kLoaderFull = 10, kFullSecond = 12;
   static constexpr int kTileWarp = 32;
+  static constexpr int kWarpgroups = kConsumerThreads / 128;
   int loader_threads;  // the K/V loader's warps, as a barrier counts them (a TMA issuer's warp: 32)
 
   __device__ __forceinline__ int everyone() const { return kConsumerThreads + kTileWarp + loader_threads; }
+  __device__ __forceinline__ static int full(int wg, int s) { return (wg == 0 ? kFull : kFullSecond) + s; }
   // Tile warp: slot s is written.
   __device__ __forceinline__ void publish(int s) const {
-    barrier_arrive(kFull + s, kConsumerThreads + kTileWarp);
+    CUTE_UNROLL
+    for (int wg = 0; wg < kWarpgroups; ++wg) barrier_arrive(full(wg, s), 128 + kTileWarp);
     barrier_arrive(kLoaderFull + s, kTileWarp + loader_threads);
   }
-  // Consumers' side of tile t: null when there is no more work (then nothing is released).
-  __device__ __forceinline__ const Tile* take(const Tile (&slots)[2], int t) const {
-    barrier_sync(kFull + (t & 1), kConsumerThreads + kTileWarp);
+  // Consumer warpgroup wg's side of tile t: null when there is no more work (then nothing is released).
+  __device__ __forceinline__ const Tile* take(const Tile (&slots)[2], int t, int wg) const {
+    barrier_sync(full(wg, t & 1), 128 + kTileWarp);
     const Tile* tile = &slots[t & 1];
     return tile->row < 0 ? nullptr : tile;
   }

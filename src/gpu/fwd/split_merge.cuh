@@ -181,8 +181,11 @@ __device__ __forceinline__ void merge_splits(const AttentionParams& a, const Dec
 // spent ~3.5 us of a 21 us step after the last split's loop (bench/RESULTS.md, 2026-12-04 16:1x).
 // The one cluster barrier left is split: every thread arrives right after the barrier setup, and
 // a consumer waits before its first push, long after, so that every owner's barrier is initialised.
+// 16-byte aligned: the merge reads the rows as float4 (InboxParts::o4). Placed after the kernel's
+// other shared storage, which may end at any 8-byte boundary, it was aligned only by chance (a
+// byte added before it moved it by 8: misaligned-address faults in every decode step, 2026-12-06).
 template <int kHeadDim, int kParts>
-struct MergeInbox {
+struct alignas(16) MergeInbox {
   float o[kParts][kHeadDim];  // part j * splits + s: split s's row of the owner's j-th row
   float lse[kParts];
   alignas(8) std::uint64_t full;  // completes when every split's parts of the owner's rows landed

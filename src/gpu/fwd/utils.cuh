@@ -70,11 +70,19 @@ __device__ __forceinline__ void wg_gemm(TiledMma& mma, TA const& a, TB const& b,
   if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a));
 }
 
+// This thread's bulk operations issued so far form a group (the waits below count groups).
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's committed bulk groups have read shared memory.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Waits until this thread's bulk operations (stores, reductions) have read shared memory (kRead) or completed.
 template <bool kRead>
 __device__ __forceinline__ void bulk_store_wait() {
-  if constexpr (kRead) asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
-  else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  if constexpr (kRead) {
+    bulk_commit();
+    bulk_wait_read();
+  } else {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  }
 }
 
 // Accumulator ((2 cols, 2 rows, N/8), MMA_M, MMA_N) viewed as (rows (2, MMA_M), cols (2, N/8, MMA_N)).
