@@ -2,25 +2,20 @@
 # One device call's work, for sessions with little GPU time: run from the repository root on the
 # GPU machine. DEPS (default .device, an ignored folder carried with the call) holds cutlass.tgz and
 # gtest.tgz (tests/gpu/device_build.sh says how they are made); OUT is the folder whose files come back.
-#   STEP=full   full build (build-gpu), then every GPU test: the suite, the validation tests, the
-#               cp.async producer (BSATTN_GPU_NO_TMA=1), memcheck and racecheck on a forward subset,
-#               and the forward kernels' local-memory count in the SASS (must be 0)
+#   STEP=full   full build (build-gpu), then device_check.sh's tests, validation, sanitize, sass and
+#               variants steps (the cp.async producer's tests; no timing)
 #   STEP=peers  issue 14's forward rows and the backward rows against FlashAttention-4 in the same
 #               process (needs build-gpu, and `bash .peers/a/fa4-peer.sh stage .peers` in the call before)
-#   STEP=ab     bench libraries timed interleaved on issue 14's rows: LIBS="base.so[.xz] v1.so[.xz] ..."
-#               (the first is the base; a copy of it is timed last, as the A/A), ONLY (row name
-#               prefixes, comma-separated), ROUNDS
+#   STEP=ab     bench libraries timed interleaved on issue 14's rows (device_check.sh's compare step):
+#               LIBS="base.so[.xz] v1.so[.xz] ..." (the first is the base; a copy of it is timed last,
+#               as the A/A), ONLY (row name prefixes, comma-separated), ROUNDS
 # Libraries for STEP=ab are best built on the development machine (BSATTN_GPU_DTYPES=bf16,
 # BSATTN_GPU_HEAD_DIMS=128, target bsattn_bench) and carried xz-compressed (about 5 MB each).
 set -u
 DEPS=${DEPS:-.device}
-OUT=${OUT:-/tmp/bsattn-device-session}
+export OUT=${OUT:-/tmp/bsattn-device-session}
 mkdir -p "$OUT"
-T=build-gpu/tests/bsattn_gpu_test
-LIB=build-gpu/bench/gpu/libbsattn_bench.so
 log() { echo "[$(date +%H:%M:%S)] $*"; }
-summary() { grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$1" | tr '\n' ' '; }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 
 case "${STEP:-}" in
 full)
@@ -29,28 +24,12 @@ full)
   rc=$?
   tail -20 "$OUT/build.log"
   [ "$rc" = 0 ] || exit 1
-  log "GPU tests"
-  timeout 300 "$T" > "$OUT/gpu_tests.log" 2>&1
-  echo "suite rc=$? $(summary "$OUT/gpu_tests.log")"
-  grep -E '^\[  FAILED  \]' "$OUT/gpu_tests.log" | head -20
-  timeout 120 "$(find build-gpu -name bsattn_validation_test -type f | head -1)" --gtest_filter='GpuValidation*' \
-    > "$OUT/validation.log" 2>&1
-  echo "validation rc=$? $(summary "$OUT/validation.log")"
-  BSATTN_GPU_NO_TMA=1 timeout 120 "$T" --gtest_filter='GpuForward.*:GpuProxy*:GpuPaged.*:GpuDecode.*' \
-    > "$OUT/no_tma.log" 2>&1
-  echo "no TMA rc=$? $(summary "$OUT/no_tma.log")"
-  subset='GpuForward.TwoWarpgroupTilesPairTheirRoutes:GpuForward.PersistentManyTiles:GpuRoutes.WorkOrder*'
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 "$T" \
-    --gtest_filter="$subset:GpuDecode.SplitsMergeInClusters:GpuBackward.EveryFormatBf16D128" > "$OUT/memcheck.log" 2>&1
-  echo "memcheck rc=$? $(grep 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
-  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 3 "$T" --gtest_filter="$subset" \
-    > "$OUT/racecheck.log" 2>&1
-  echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -1)"
-  cuobjdump -sass "$LIB" | awk '/Function : /{f=$3} f ~ /forward_kernel/ && /(LDL|STL)/{l[f]++}
-    END{n=0; for (k in l) n++; print "forward kernels with local memory:", n}'
+  log "tests"
+  BUILD=build-gpu STEPS="tests validation sanitize sass variants" VARIANT_ONLY=none bash tests/gpu/device_check.sh
   ;;
 peers)
   source .peers/b/fa4-peer.sh install .peers || exit 1
+  LIB=build-gpu/bench/gpu/libbsattn_bench.so
   log "forward, issue 14's rows"
   PYTHONUNBUFFERED=1 timeout 420 python3 bench/gpu/bench_forward.py --lib "$LIB" --rows issue14 --peers fa4,cudnn \
     --out "$OUT/forward.md" > "$OUT/forward.log" 2>&1
@@ -61,20 +40,22 @@ peers)
   echo "backward rc=$?"; cat "$OUT/backward.md"
   ;;
 ab)
-  mkdir -p /tmp/ab-libs
-  libs=()
+  # device_check.sh times $BUILD/bench/gpu/libbsattn_bench.so against COMPARE: the base goes there.
+  dir=/tmp/ab-libs
+  mkdir -p "$dir/bench/gpu"
+  n=0
+  compare=""
   for f in ${LIBS:?LIBS: the bench libraries to compare, base first}; do
-    to=/tmp/ab-libs/${#libs[@]}.so
+    to=$dir/$n.so
+    [ $n = 0 ] && to=$dir/bench/gpu/libbsattn_bench.so
     case "$f" in *.xz) xz -dc "$f" > "$to" ;; *) cp "$f" "$to" ;; esac
-    libs+=("$to")
+    [ $n = 0 ] || compare="$compare $to"
+    n=$((n + 1))
   done
-  cp "${libs[0]}" /tmp/ab-libs/aa.so
+  cp "$dir/bench/gpu/libbsattn_bench.so" "$dir/aa.so"
   log "A/B: $LIBS, then the base again (A/A)"
-  PYTHONUNBUFFERED=1 timeout "${AB_TIMEOUT:-400}" python3 bench/gpu/bench_forward.py --lib "${libs[0]}" \
-    --compare "${libs[@]:1}" /tmp/ab-libs/aa.so --rows issue14 --peers none --only "${ONLY:?ONLY: row prefixes}" \
-    --rounds "${ROUNDS:-6}" --iters 40 > "$OUT/ab.log" 2>&1
-  echo "ab rc=$?"
-  grep -E ' bsattn |MISMATCH' "$OUT/ab.log"
+  BUILD=$dir STEPS=compare COMPARE="$compare $dir/aa.so" COMPARE_ROWS=issue14 COMPARE_ONLY="${ONLY:?ONLY: row prefixes}" \
+    COMPARE_ROUNDS="${ROUNDS:-6}" COMPARE_TIMEOUT="${AB_TIMEOUT:-400}" PEERS=none bash tests/gpu/device_check.sh
   ;;
 *)
   echo "STEP: full, peers or ab (see the header)"
