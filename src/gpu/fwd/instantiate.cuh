@@ -74,8 +74,9 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
   } else if constexpr (kKind == KernelKind::rows128) {
     using Rows128 = Traits<Element, kHeadDim, 2, kBlockN>;
     if constexpr (kBlockN == 128) {  // 128-wide K/V tiles: halves of 64 tokens per CTA
-      // Two stages and O's own staging buffer (kernel_config.cuh), whose last stages go back to the
-      // loader when the last PV is done (experiment: three stages, no buffer, on main).
+      // Two stages and O's own staging buffer (kernel_config.cuh): the last route's stages go back to
+      // the loader when the last PV is done, so the lockstep pair no longer needs a third stage for
+      // slack (at or above three stages without the buffer on every row, bench/RESULTS.md 2026-12-06).
       using Rows128Pair = Traits<Element, kHeadDim, 2, kBlockN, 1, 2, true>;
       if (!a) {
         const cudaError_t e = launch_forward_ws<Rows128Pair, kProxy>(nullptr, extents, overflow, stream);
