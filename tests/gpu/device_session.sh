@@ -9,6 +9,8 @@
 #   STEP=ab     bench libraries timed interleaved on issue 14's rows (device_check.sh's compare step):
 #               LIBS="base.so[.xz] v1.so[.xz] ..." (the first is the base; a copy of it is timed last,
 #               as the A/A), ONLY (row name prefixes, comma-separated), ROUNDS
+#   STEP=bwd-ab the same for the backward (bench_backward.py --compare): LIBS, ROWS (its row names,
+#               default causal,rand0.25,rand1.0), ROUNDS
 # Libraries for STEP=ab are best built on the development machine (BSATTN_GPU_DTYPES=bf16,
 # BSATTN_GPU_HEAD_DIMS=128, target bsattn_bench) and carried xz-compressed (about 5 MB each).
 set -u
@@ -39,7 +41,7 @@ peers)
     > "$OUT/backward.log" 2>&1
   echo "backward rc=$?"; cat "$OUT/backward.md"
   ;;
-ab)
+ab | bwd-ab)
   # device_check.sh times $BUILD/bench/gpu/libbsattn_bench.so against COMPARE: the base goes there.
   dir=/tmp/ab-libs
   mkdir -p "$dir/bench/gpu"
@@ -54,11 +56,20 @@ ab)
   done
   cp "$dir/bench/gpu/libbsattn_bench.so" "$dir/aa.so"
   log "A/B: $LIBS, then the base again (A/A)"
+  if [ "$STEP" = bwd-ab ]; then
+    PYTHONUNBUFFERED=1 timeout "${AB_TIMEOUT:-400}" python3 bench/gpu/bench_backward.py \
+      --lib "$dir/bench/gpu/libbsattn_bench.so" --compare $compare "$dir/aa.so" --rows "${ROWS:-causal,rand0.25,rand1.0}" \
+      --peers none --rounds "${ROUNDS:-6}" --out "$OUT/backward-ab.md" > "$OUT/backward-ab.log" 2>&1
+    echo "backward A/B rc=$?"
+    cat "$OUT/backward-ab.md"
+    log "done"
+    exit 0
+  fi
   BUILD=$dir STEPS=compare COMPARE="$compare $dir/aa.so" COMPARE_ROWS=issue14 COMPARE_ONLY="${ONLY:?ONLY: row prefixes}" \
     COMPARE_ROUNDS="${ROUNDS:-6}" COMPARE_TIMEOUT="${AB_TIMEOUT:-400}" PEERS=none bash tests/gpu/device_check.sh
   ;;
 *)
-  echo "STEP: full, peers or ab (see the header)"
+  echo "STEP: full, peers, ab or bwd-ab (see the header)"
   exit 2
   ;;
 esac
