@@ -11,6 +11,7 @@
 
 #include "bsattn/route/prepare.hpp"
 #include "formats/bind.hpp"
+#include "gpu/fwd/work_items.hpp"
 #include "gpu/prepare_routes.hpp"
 #include "gpu_case.hpp"
 #include "gpu_compare.hpp"
@@ -307,6 +308,57 @@ TEST(GpuRoutes, DeviceMatchesHost) {
       cudaFree(d_flag);
       cudaFree(d_routes);
       cudaFree(d_counts);
+    }
+}
+
+// The persistent kernel's item numbering, on the host: the live items of a launch (whole rows of
+// the work order, any split count) reach every (row position, head group) exactly once, each head
+// group inside its row's sparsity head; rows go in work order, except where a sparsity head spans
+// several KV heads: there the items run KV head by KV head (each KV head's share of every row
+// before the next KV head's), so the query heads in flight read one KV head's K/V.
+TEST(GpuRoutesHost, WorkItemsReachEveryRowAndHeadOnce) {
+  struct Shape {
+    int hq, hkv, hs, heads_per_tile;
+  };
+  const Shape shapes[] = {{32, 8, 32, 1}, {32, 8, 32, 2}, {32, 8, 8, 2}, {32, 8, 1, 2}, {32, 8, 1, 1},
+                          {32, 8, 1, 4}, {40, 40, 1, 1}, {40, 40, 40, 1}, {32, 8, 2, 2}, {12, 4, 3, 1},
+                          {12, 4, 1, 3}, {6, 3, 1, 2}, {16, 16, 4, 2}, {8, 1, 1, 2}};
+  for (const Shape& sh : shapes)
+    for (const int live_rows : {1, 3, 64, 257}) {
+      SCOPED_TRACE("hq " + std::to_string(sh.hq) + " hkv " + std::to_string(sh.hkv) + " hs " + std::to_string(sh.hs) +
+                   " heads per tile " + std::to_string(sh.heads_per_tile) + " rows " + std::to_string(live_rows));
+      bsattn::route::RouteParams p;
+      p.heads_q = sh.hq;
+      p.heads_kv = sh.hkv;
+      p.sparsity_heads = sh.hs;
+      const int group = sh.hq / sh.hs, per_row = group / sh.heads_per_tile, kv_group = sh.hq / sh.hkv;
+      const int units = live_rows * per_row;
+      // A sparsity head spans several KV heads whole items cover: items numbered KV head by KV head.
+      const bool by_kv = group > kv_group && group % kv_group == 0 && kv_group % sh.heads_per_tile == 0;
+      std::vector<int> seen(static_cast<std::size_t>(units), 0);
+      int last_row = -1, last_kv = -1;
+      bool ordered = true;
+      for (int unit = 0; unit < units; ++unit) {
+        const bsattn::gpu::fwd::ItemPlace at = bsattn::gpu::fwd::item_place(p, sh.heads_per_tile, unit, units);
+        ASSERT_GE(at.order_index, 0);
+        ASSERT_LT(at.order_index, live_rows);
+        ASSERT_GE(at.head_offset, 0);
+        ASSERT_LT(at.head_offset, group);
+        ASSERT_EQ(at.head_offset % sh.heads_per_tile, 0);
+        ++seen[static_cast<std::size_t>(at.order_index) * per_row + at.head_offset / sh.heads_per_tile];
+        const int kv = at.head_offset / kv_group;  // KV head within the sparsity head's
+        if (by_kv) {
+          ordered &= kv > last_kv || (kv == last_kv && at.order_index >= last_row);
+          if (kv != last_kv) last_row = -1;
+          last_kv = kv;
+          last_row = at.order_index;
+        } else {
+          ordered &= at.order_index >= last_row;
+          last_row = at.order_index;
+        }
+      }
+      for (int v : seen) ASSERT_EQ(v, 1);
+      EXPECT_TRUE(ordered);
     }
 }
 

@@ -88,7 +88,7 @@ __device__ __forceinline__ void run_tile_warp(const TileHandoff<T::kThreads>& ha
     if (lane == 0) {
       const int items = live_work_items(a, item_heads, splits);
       const int item = !prev.written ? first_item<kPair>() : next_item<kPair>(a, prev.item, items);
-      if (item < items) place_tile(a, item, item_heads, slot, splits);
+      if (item < items) place_tile(a, item, items, item_heads, slot, splits);
       else slot.row = -1;  // no more work
     }
     __syncwarp();

@@ -1,8 +1,8 @@
 // Work order of the persistent kernel. A work item is (route row, query head(s) of the row's
 // sparsity head: one, or two with GQA packing or a CTA pair); items are numbered in the rows' work
 // order (row_order, sorted on the device after route preparation: rows grouped by the KV head
-// whose K/V they read, longest first inside a group; prepare_routes.cu) with the query heads of one
-// row adjacent, so that heads sharing K/V tiles run at the same time and meet in L2.
+// whose K/V they read, longest first inside a group; prepare_routes.cu), KV head by KV head where a
+// row's heads span several (work_items.hpp: item_place).
 // A CTA starts with item blockIdx.x and then takes the next unclaimed item from a global counter:
 // long rows start first and short ones fill the tail, whatever the sparsity pattern. The two CTAs
 // of a pair must walk the same items, so clusters take a static share instead: the work order is
@@ -12,14 +12,9 @@
 #pragma once
 #include "bsattn/attention_params.hpp"
 #include "bsattn/route/prepare.hpp"
+#include "gpu/fwd/work_items.hpp"
 
 namespace bsattn::gpu::fwd {
-
-// `splits`: work items per (route row, head group), each taking a share of the row's routes (the
-// decode kernel's split-KV; 1 elsewhere).
-__host__ __device__ __forceinline__ int work_items(const AttentionParams& a, int heads_per_tile, int splits = 1) {
-  return a.route_rows * (a.route.heads_q / a.route.sparsity_heads / heads_per_tile) * splits;
-}
 
 // The work items a kernel visits: those of the work order's live rows (AttentionParams::live_rows,
 // read on the device once its preparation has run).
@@ -27,12 +22,6 @@ __device__ __forceinline__ int live_work_items(const AttentionParams& a, int hea
   const int items = work_items(a, heads_per_tile, splits);
   if (!a.row_order || !a.live_rows) return items;
   return min(items, *a.live_rows * (a.route.heads_q / a.route.sparsity_heads / heads_per_tile) * splits);
-}
-
-// GQA packing applies when consecutive query-head pairs share both their sparsity head (same
-// routes) and their KV head (same K/V tiles).
-__host__ __device__ __forceinline__ bool packable_heads(const route::RouteParams& p) {
-  return (p.heads_q / p.sparsity_heads) % 2 == 0 && (p.heads_q / p.heads_kv) % 2 == 0;
 }
 
 // One work item, decoded: where its rows and routes are.
@@ -76,18 +65,17 @@ __host__ __device__ __forceinline__ int warpgroup_head(const Tile& tile, int wg,
 // can load the first tile's Q while preparation still runs.
 // `splits` > 1 (decode): the splits of one (row, head group) are adjacent items; split s takes
 // routes [s * ceil(n / splits), +ceil(n / splits)) of the row's n, possibly none.
-__device__ __forceinline__ void place_tile(const AttentionParams& a, int item, int heads_per_tile, Tile& t,
+// `items`: the launch's live items (live_work_items).
+__device__ __forceinline__ void place_tile(const AttentionParams& a, int item, int items, int heads_per_tile, Tile& t,
                                            int splits = 1) {
   const route::RouteParams& p = a.route;
-  const int group = p.heads_q / p.sparsity_heads;
-  const int per_row = group / heads_per_tile;
-  const int unit = item / splits;
-  const int row = a.row_order ? a.row_order[unit / per_row] : unit / per_row;  // null: index order
+  const ItemPlace at = item_place(p, heads_per_tile, item / splits, items / splits);
+  const int row = a.row_order ? a.row_order[at.order_index] : at.order_index;  // null: index order
   t.item = item;
   t.row = row;
   t.split = item % splits;
   const route::RowCoordinates rc = route::row_coordinates(p, row);
-  const int head = rc.hs * group + (unit % per_row) * heads_per_tile;
+  const int head = rc.hs * (p.heads_q / p.sparsity_heads) + at.head_offset;
   t.head = head;
   t.hkv = head / (p.heads_q / p.heads_kv);
   t.b = rc.b;

@@ -1,0 +1,50 @@
+// The work items of the persistent forward kernel and where each one stands, on the host and the
+// device (scheduler.cuh decodes an item into its tile; the host tests check the numbering). A work
+// item is a route row and heads_per_tile query heads of the row's sparsity head (one, or two with
+// GQA packing or a CTA pair), possibly split along its routes (decode split-KV).
+#pragma once
+#include "bsattn/attention_params.hpp"
+#include "bsattn/route/params.hpp"
+
+namespace bsattn::gpu::fwd {
+
+// `splits`: work items per (route row, head group), each taking a share of the row's routes (the
+// decode kernel's split-KV; 1 elsewhere).
+BSATTN_HD int work_items(const AttentionParams& a, int heads_per_tile, int splits = 1) {
+  return a.route_rows * (a.route.heads_q / a.route.sparsity_heads / heads_per_tile) * splits;
+}
+
+// GQA packing applies when consecutive query-head pairs share both their sparsity head (same
+// routes) and their KV head (same K/V tiles).
+BSATTN_HD bool packable_heads(const route::RouteParams& p) {
+  return (p.heads_q / p.sparsity_heads) % 2 == 0 && (p.heads_q / p.heads_kv) % 2 == 0;
+}
+
+// Where item group `unit` (an item, or the splits of one) stands among `units` (the launch's live
+// ones, whole rows of them): the position of its route row in the work order and the offset of
+// its first query head in the row's sparsity head. Rows go in work order (longest first within
+// the rows that read one KV head), a row's items adjacent, so that heads sharing K/V tiles run at
+// the same time and meet in L2. Where a sparsity head spans several KV heads (a pattern shared by
+// more query heads than a KV group has), the items are numbered KV head by KV head instead: every
+// row's items of the first KV head, then every row's of the next, so that the CTAs in flight read
+// one KV head's K/V, not all of them at once (row by row, the dense S 32768 row with one pattern
+// for all heads hit L2 in 79 % of its loads and read 9 GB from DRAM; FlashAttention-4 98 % and
+// 0.9 GB: bench/RESULTS.md, 2026-12-06 07:38).
+struct ItemPlace {
+  int order_index;  // into the work order (row_order)
+  int head_offset;  // first query head, from the row's sparsity head's first
+};
+BSATTN_HD ItemPlace item_place(const route::RouteParams& p, int heads_per_tile, int unit, int units) {
+  const int per_row = p.heads_q / p.sparsity_heads / heads_per_tile;  // items of a row
+  const int group = p.heads_q / p.heads_kv;
+  // Items of one (row, KV head): the whole row unless its heads span several KV heads that whole
+  // items cover.
+  int per_kv = per_row;
+  if (group % heads_per_tile == 0 && group / heads_per_tile < per_row && per_row % (group / heads_per_tile) == 0)
+    per_kv = group / heads_per_tile;
+  const int rows_kv = units / per_row * per_kv;  // items of one KV head's share of every row
+  const int kv = unit / rows_kv, rest = unit % rows_kv;
+  return {rest / per_kv, (kv * per_kv + rest % per_kv) * heads_per_tile};
+}
+
+}  // namespace bsattn::gpu::fwd
