@@ -13,7 +13,8 @@
 #               D 64 and 256, which quick builds lack): LIBS, ROWS (its row names,
 #               default causal,rand0.25,rand1.0), ROUNDS
 # Libraries for STEP=ab are best built on the development machine (BSATTN_GPU_DTYPES=bf16,
-# BSATTN_GPU_HEAD_DIMS=128, target bsattn_bench) and carried xz-compressed (about 5 MB each).
+# BSATTN_GPU_HEAD_DIMS=128, target bsattn_bench; tests/gpu/quick_libs.sh base=REV v1=REV) and
+# carried xz-compressed (about 5 MB each).
 set -u
 DEPS=${DEPS:-.device}
 export OUT=${OUT:-/tmp/bsattn-device-session}
