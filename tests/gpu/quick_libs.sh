@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quick benchmark libraries of git revisions, built on the development machine for
-# device_session.sh's STEP=ab / bwd-ab (bf16, D 128 kernels only, target bsattn_bench: about 10
+# device_session.sh's STEP=ab / bwd-ab (bf16, D 128 kernels only, target bsattn_bench: about 6
 # minutes each on 2 cores, 56 MB, 5 MB xz-compressed). Each revision is checked out in a worktree
 # of its own (removed afterwards) and built in BUILD_ROOT/NAME; the library goes to DIR/NAME.so.xz
 # (DIR defaults to .device/libs, an ignored folder a device call can carry).
