@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <random>
 #include <string>
@@ -314,8 +316,9 @@ TEST(GpuRoutes, DeviceMatchesHost) {
 // The persistent kernel's item numbering, on the host: the live items of a launch (whole rows of
 // the work order, any split count) reach every (row position, head group) exactly once, each head
 // group inside its row's sparsity head; rows go in work order, except where a sparsity head spans
-// several KV heads: there the items run KV head by KV head (each KV head's share of every row
-// before the next KV head's), so the query heads in flight read one KV head's K/V.
+// several KV heads: there the rows go in windows of work-order rows holding at least `concurrent`
+// items of each KV head, each window KV head by KV head (its rows in order within a KV head), so
+// that the query heads in flight read one KV head's K/V and the longest rows still start first.
 TEST(GpuRoutesHost, WorkItemsReachEveryRowAndHeadOnce) {
   struct Shape {
     int hq, hkv, hs, heads_per_tile;
@@ -324,42 +327,42 @@ TEST(GpuRoutesHost, WorkItemsReachEveryRowAndHeadOnce) {
                           {32, 8, 1, 4}, {40, 40, 1, 1}, {40, 40, 40, 1}, {32, 8, 2, 2}, {12, 4, 3, 1},
                           {12, 4, 1, 3}, {6, 3, 1, 2}, {16, 16, 4, 2}, {8, 1, 1, 2}};
   for (const Shape& sh : shapes)
-    for (const int live_rows : {1, 3, 64, 257}) {
-      SCOPED_TRACE("hq " + std::to_string(sh.hq) + " hkv " + std::to_string(sh.hkv) + " hs " + std::to_string(sh.hs) +
-                   " heads per tile " + std::to_string(sh.heads_per_tile) + " rows " + std::to_string(live_rows));
-      bsattn::route::RouteParams p;
-      p.heads_q = sh.hq;
-      p.heads_kv = sh.hkv;
-      p.sparsity_heads = sh.hs;
-      const int group = sh.hq / sh.hs, per_row = group / sh.heads_per_tile, kv_group = sh.hq / sh.hkv;
-      const int units = live_rows * per_row;
-      // A sparsity head spans several KV heads whole items cover: items numbered KV head by KV head.
-      const bool by_kv = group > kv_group && group % kv_group == 0 && kv_group % sh.heads_per_tile == 0;
-      std::vector<int> seen(static_cast<std::size_t>(units), 0);
-      int last_row = -1, last_kv = -1;
-      bool ordered = true;
-      for (int unit = 0; unit < units; ++unit) {
-        const bsattn::gpu::fwd::ItemPlace at = bsattn::gpu::fwd::item_place(p, sh.heads_per_tile, unit, units);
-        ASSERT_GE(at.order_index, 0);
-        ASSERT_LT(at.order_index, live_rows);
-        ASSERT_GE(at.head_offset, 0);
-        ASSERT_LT(at.head_offset, group);
-        ASSERT_EQ(at.head_offset % sh.heads_per_tile, 0);
-        ++seen[static_cast<std::size_t>(at.order_index) * per_row + at.head_offset / sh.heads_per_tile];
-        const int kv = at.head_offset / kv_group;  // KV head within the sparsity head's
-        if (by_kv) {
-          ordered &= kv > last_kv || (kv == last_kv && at.order_index >= last_row);
-          if (kv != last_kv) last_row = -1;
-          last_kv = kv;
-          last_row = at.order_index;
-        } else {
-          ordered &= at.order_index >= last_row;
-          last_row = at.order_index;
+    for (const int live_rows : {1, 3, 64, 257})
+      for (const int concurrent : {1, 2, 7, 66, 132, 100000}) {
+        SCOPED_TRACE("hq " + std::to_string(sh.hq) + " hkv " + std::to_string(sh.hkv) + " hs " +
+                     std::to_string(sh.hs) + " heads per tile " + std::to_string(sh.heads_per_tile) + " rows " +
+                     std::to_string(live_rows) + " concurrent " + std::to_string(concurrent));
+        bsattn::route::RouteParams p;
+        p.heads_q = sh.hq;
+        p.heads_kv = sh.hkv;
+        p.sparsity_heads = sh.hs;
+        const int group = sh.hq / sh.hs, per_row = group / sh.heads_per_tile, kv_group = sh.hq / sh.hkv;
+        const int units = live_rows * per_row;
+        // A sparsity head spans several KV heads whole items cover: windows of rows, KV head by KV head.
+        const bool by_kv = group > kv_group && group % kv_group == 0 && kv_group % sh.heads_per_tile == 0;
+        const int per_kv = by_kv ? kv_group / sh.heads_per_tile : per_row;
+        const int window_rows = per_kv > 0 ? std::max(1, (concurrent + per_kv - 1) / per_kv) : 1;
+        std::vector<int> seen(static_cast<std::size_t>(units), 0);
+        std::array<int, 3> last{-1, -1, -1};  // (window, KV head, row) of the previous item
+        bool ordered = true;
+        for (int unit = 0; unit < units; ++unit) {
+          const bsattn::gpu::fwd::ItemPlace at =
+              bsattn::gpu::fwd::item_place(p, sh.heads_per_tile, unit, units, concurrent);
+          ASSERT_GE(at.order_index, 0);
+          ASSERT_LT(at.order_index, live_rows);
+          ASSERT_GE(at.head_offset, 0);
+          ASSERT_LT(at.head_offset, group);
+          ASSERT_EQ(at.head_offset % sh.heads_per_tile, 0);
+          ++seen[static_cast<std::size_t>(at.order_index) * per_row + at.head_offset / sh.heads_per_tile];
+          const std::array<int, 3> key =
+              by_kv ? std::array<int, 3>{at.order_index / window_rows, at.head_offset / kv_group, at.order_index}
+                    : std::array<int, 3>{0, 0, at.order_index};
+          ordered &= key >= last;
+          last = key;
         }
+        for (int v : seen) ASSERT_EQ(v, 1);
+        EXPECT_TRUE(ordered);
       }
-      for (int v : seen) ASSERT_EQ(v, 1);
-      EXPECT_TRUE(ordered);
-    }
 }
 
 // The work order: a permutation of the rows, grouped by KV group (rows_per_group consecutive rows;
