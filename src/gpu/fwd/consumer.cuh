@@ -90,8 +90,7 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
   // next route record's global load issued just before: none on the TMA path.
   const bool generic_stage_writes = !tma || p.paged;
   using Slot = PipelineSlot<kStages>;
-  auto wait_full = [&](std::uint64_t* full, int j) {
-    const Slot slot(j);
+  auto wait_full = [&](std::uint64_t* full, const Slot& slot) {
     Barrier::wait(&full[slot.stage], slot.phase);
     if (generic_stage_writes) cutlass::arch::fence_view_async_shared();
   };
@@ -99,22 +98,21 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
     Barrier::wait(&bars.full_q[wg], t & 1);
     if (!tma) cutlass::arch::fence_view_async_shared();  // the Q rows (cp.async) before wgmma reads them
   };
-  auto release = [&](std::uint64_t* empty, int j) {
-    const int stage = Slot(j).stage;
+  auto release = [&](std::uint64_t* empty, const Slot& slot) {
+    const int stage = slot.stage;
     arrive_if(&empty[stage], warp_leader);
     if constexpr (kPair) {
       if (warp_leader) Barrier::arrive(&empty[stage], 1 - pair_rank, 1u);  // the peer loads into us too
     }
   };
-  // After S GEMM j (< last: the tile's last pipeline position) the K stage goes back to the loader.
+  // After an S GEMM on `slot` that is not the tile's last (k) the K stage goes back to the loader.
   // The tile's last S GEMM keeps its K stage (until the last PV, or for the epilogue to stage O)
   // and returns the Q buffer to the tile warp instead, so the next tile's Q loads under the last
   // softmax, PV and the epilogue. One predicated arrival on a chosen barrier, no branch.
-  auto release_k_or_q = [&](int j, int last) {
-    const bool k = j < last;
-    arrive_if(k ? &bars.empty_k[Slot(j).stage] : &bars.empty_q[wg], warp_leader);
+  auto release_k_or_q = [&](const Slot& slot, bool k) {
+    arrive_if(k ? &bars.empty_k[slot.stage] : &bars.empty_q[wg], warp_leader);
     if constexpr (kPair) {
-      if (k && warp_leader) Barrier::arrive(&bars.empty_k[Slot(j).stage], 1 - pair_rank, 1u);
+      if (k && warp_leader) Barrier::arrive(&bars.empty_k[slot.stage], 1 - pair_rank, 1u);
     }
   };
   auto release_q = [&]() { arrive_if(&bars.empty_q[wg], warp_leader); };
@@ -135,7 +133,7 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
     if (marker && t == 0) timeline_mark(desc.timeline, kConsumerHasQ);
     const int count = tile.count, base = tile.first;  // pipeline position of the first route
     if (count > 0 && !s_issued) {
-      wait_full(bars.full_k, base);
+      wait_full(bars.full_k, Slot(base));
       wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, Slot(base).stage), tSrS);
       if (marker && t == 0) timeline_mark(desc.timeline, kConsumerFirstS);
     }
@@ -166,22 +164,22 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
     clear(tOrO);
     // Softmax of exact step `step` (its records rt): the routes' masks, where they cut, then the
     // plain step. Route pairs: columns [h kRouteN, (h + 1) kRouteN) are route h's.
+    // KV tiles [0, whole_tiles) hold kRouteN tokens of the sequence (a route's n_valid below).
+    const int whole_tiles = p.tile_n >= T::kRouteN && seqlen_kv >= T::kRouteN ? (seqlen_kv - T::kRouteN) / p.tile_n + 1 : 0;
     auto exact_softmax = [&](const StepRoutes<T::kRoutesPerStep>& rt, int step, float (&rescale)[kRows]) {
-      RouteMask m[T::kRoutesPerStep];
       bool cut = false;
       CUTE_UNROLL
-      for (int h = 0; h < T::kRoutesPerStep; ++h) {
-        const int k0 = rt.route[h].index * p.tile_n;
-        m[h].k0 = k0 - h * T::kRouteN;
-        m[h].n_valid = h * T::kRouteN + min(p.tile_n, seqlen_kv - k0);
-        m[h].rows = rt.route[h].rows;
-        m[h].masked = rt.route[h].masked;
-        cut |= rt.route[h].masked != 0 || (rt.route[h].rows & present) != present ||
-               m[h].n_valid < (h + 1) * T::kRouteN;
-      }
+      for (int h = 0; h < T::kRoutesPerStep; ++h)
+        cut |= rt.route[h].masked != 0 || (rt.route[h].rows & present) != present || rt.route[h].index >= whole_tiles;
       if (cut) {
+        RouteMask m[T::kRoutesPerStep];
         CUTE_UNROLL
         for (int h = 0; h < T::kRoutesPerStep; ++h) {
+          const int k0 = rt.route[h].index * p.tile_n;
+          m[h].k0 = k0 - h * T::kRouteN;
+          m[h].n_valid = h * T::kRouteN + min(p.tile_n, seqlen_kv - k0);
+          m[h].rows = rt.route[h].rows;
+          m[h].masked = rt.route[h].masked;
           m[h].token_mask = tile_rows.tokens() - 1;
           m[h].q_begin = q_begin;
           m[h].tile_row0 = tile_row0;
@@ -222,7 +220,7 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
       return handoff.take(sm.tile, t + 1, wg);
     };
     if (count > 0) {
-      release_k_or_q(base, last);
+      release_k_or_q(Slot(base), count > 1);
       float rescale[kRows];  // of the last softmax: O takes it just before the next PV
       // Steps [0, exact_steps) are exact routes, the rest proxy windows (proxy kernels).
       const int exact_steps = kProxy ? tile.exact : count;
@@ -242,19 +240,21 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
       // and `step_softmax` takes it after S(i+1). Two loops, exact routes then proxy windows, so
       // that the exact steps run the exact kernels' loop. Forced inline: left to the compiler, the
       // lambda stayed a call in the decode and 64-row kernels, with a stack frame and spills.
-      const auto steady_step = [&](int i, const auto& what, auto& step_softmax) __attribute__((always_inline)) {
+      // `slot`: pipeline position base + i, carried from step to step.
+      const auto steady_step = [&](int i, Slot& slot, const auto& what, auto& step_softmax)
+                                   __attribute__((always_inline)) {
         const auto next_step = what(i + 1);
-        const int j = base + i;
-        wait_full(bars.full_k, j + 1);
+        const Slot now = slot, ahead = slot.next();
+        wait_full(bars.full_k, ahead);
         if constexpr (kPingPong) barrier_sync(kSchedBarrier0 + wg, 256);
-        wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, Slot(j + 1).stage), tSrS);
+        wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, ahead.stage), tSrS);
         rescale_output(o_rc, rescale);
-        wait_full(bars.full_v, j);
-        wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, Slot(j).stage), tOrO);
+        wait_full(bars.full_v, now);
+        wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, now.stage), tOrO);
         if constexpr (kPingPong) barrier_arrive(kSchedBarrier0 + (1 - wg), 256);
         warpgroup_wait<1>();  // S(i+1) done; PV(i) may still run
         warpgroup_fence_operand(tSrS);
-        release_k_or_q(j + 1, last);
+        release_k_or_q(ahead, i + 2 < count);
         step_softmax(next_step, i + 1, rescale);
         // Two consumer warpgroups: a shared store of the new row sums, which ptxas does not move
         // past the wait, keeps the softmax ahead of it, under this warpgroup's own PV(i) (left to
@@ -273,14 +273,17 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         warpgroup_fence_operand(tOrP);
-        release(bars.empty_v, j);
+        release(bars.empty_v, now);
         convert_p();
+        slot = ahead;
       };
+      Slot slot(base);
       CUTE_NO_UNROLL
-      for (int i = 0; i < exact_steps - 1; ++i) steady_step(i, exact_record, exact_softmax);
+      for (int i = 0; i < exact_steps - 1; ++i) steady_step(i, slot, exact_record, exact_softmax);
       if constexpr (kProxy) {
         CUTE_NO_UNROLL
-        for (int i = max(exact_steps - 1, 0); i < count - 1; ++i) steady_step(i, proxy_records, proxy_step_softmax);
+        for (int i = max(exact_steps - 1, 0); i < count - 1; ++i)
+          steady_step(i, slot, proxy_records, proxy_step_softmax);
       }
       // Balance the ping-pong barriers (the first arrive, or the other warpgroup's last one).
       if constexpr (kPingPong) {
@@ -288,19 +291,21 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
       }
       // Last PV.
       rescale_output(o_rc, rescale);
-      wait_full(bars.full_v, last);
-      wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, Slot(last).stage), tOrO);
+      const Slot last_slot = slot;  // position last
+      wait_full(bars.full_v, last_slot);
+      wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, last_slot.stage), tOrO);
       // Then the next tile's first S GEMM, or, where there is none, a discarded S GEMM on this
       // tile's held stages (no other thread writes them now), so that the last PV is followed by
       // one GEMM on every path (an empty group is not counted by ptxas: it serialised every
       // wgmma). The next tile's Q can have landed only because this tile released its buffer.
       next = take_next();
       s_issued = next && next->count > 0;
-      int stage = Slot(last).stage;
+      int stage = last_slot.stage;
       if (s_issued) {
         wait_q(t + 1);
-        wait_full(bars.full_k, next->first);
-        stage = Slot(next->first).stage;
+        const Slot next_first(next->first);
+        wait_full(bars.full_k, next_first);
+        stage = next_first.stage;
       }
       wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
       warpgroup_wait<1>();  // the last PV is done
@@ -308,8 +313,8 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
       // tile's loads do not wait for the epilogue. (A discarded S GEMM may still read the K
       // stage: its result is never used.)
       if constexpr (kOutputBuffer) {
-        release(bars.empty_k, last);
-        release(bars.empty_v, last);
+        release(bars.empty_k, last_slot);
+        release(bars.empty_v, last_slot);
       }
     } else {
       next = take_next();
@@ -358,8 +363,8 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
       if constexpr (!kOutputBuffer) {
         cutlass::arch::fence_view_async_shared();  // the staging accesses before the next bulk copies
         __syncwarp();
-        release(bars.empty_k, last);
-        release(bars.empty_v, last);
+        release(bars.empty_k, Slot(last));
+        release(bars.empty_v, Slot(last));
       }
     } else {
       release_q();

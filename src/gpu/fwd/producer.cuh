@@ -24,12 +24,26 @@ struct PipelineBarriers {
 // Stage and phase parity of pipeline position j (steps counted from the CTA's first, never
 // negative). Unsigned: with a power-of-two stage count a mask and a shift, not a signed division
 // and remainder (five uniform instructions per wait, twice a step).
+// A loop walking the positions one by one carries the slot instead (next()): two uniform
+// instructions per step rather than the mask and shift per wait and release.
 template <int kStages>
 struct PipelineSlot {
   int stage, phase;
   __device__ __forceinline__ explicit PipelineSlot(int j)
       : stage(static_cast<int>(static_cast<unsigned>(j) % kStages)),
         phase(static_cast<int>(static_cast<unsigned>(j) / kStages & 1u)) {}
+  // The slot of position j + 1.
+  __device__ __forceinline__ PipelineSlot next() const {
+    PipelineSlot n = *this;
+    if constexpr (kStages == 2) {  // the phase flips after stage 1
+      n.phase ^= n.stage;
+      n.stage ^= 1;
+    } else if (++n.stage == kStages) {
+      n.stage = 0;
+      n.phase ^= 1;
+    }
+    return n;
+  }
 };
 
 // Threads of the cp.async K/V loader (producer warps 0-2; warp 3 is the tile warp).
