@@ -315,10 +315,10 @@ TEST(GpuRoutes, DeviceMatchesHost) {
 
 // The persistent kernel's item numbering, on the host: the live items of a launch (whole rows of
 // the work order, any split count) reach every (row position, head group) exactly once, each head
-// group inside its row's sparsity head; rows go in work order, except where a sparsity head spans
-// several KV heads: there the rows go in windows of work-order rows holding at least `concurrent`
-// items of each KV head, each window KV head by KV head (its rows in order within a KV head), so
-// that the query heads in flight read one KV head's K/V and the longest rows still start first.
+// group inside its row's sparsity head, whichever windows go KV head by KV head. Rows go in work
+// order; where a sparsity head spans several KV heads, the windows hold at least `concurrent`
+// items of each KV head (all rows in the last), and a window numbered KV head by KV head takes
+// its rows in order within each KV head.
 TEST(GpuRoutesHost, WorkItemsReachEveryRowAndHeadOnce) {
   struct Shape {
     int hq, hkv, hs, heads_per_tile;
@@ -328,41 +328,53 @@ TEST(GpuRoutesHost, WorkItemsReachEveryRowAndHeadOnce) {
                           {12, 4, 1, 3}, {6, 3, 1, 2}, {16, 16, 4, 2}, {8, 1, 1, 2}};
   for (const Shape& sh : shapes)
     for (const int live_rows : {1, 3, 64, 257})
-      for (const int concurrent : {1, 2, 7, 66, 132, 100000}) {
-        SCOPED_TRACE("hq " + std::to_string(sh.hq) + " hkv " + std::to_string(sh.hkv) + " hs " +
-                     std::to_string(sh.hs) + " heads per tile " + std::to_string(sh.heads_per_tile) + " rows " +
-                     std::to_string(live_rows) + " concurrent " + std::to_string(concurrent));
-        bsattn::route::RouteParams p;
-        p.heads_q = sh.hq;
-        p.heads_kv = sh.hkv;
-        p.sparsity_heads = sh.hs;
-        const int group = sh.hq / sh.hs, per_row = group / sh.heads_per_tile, kv_group = sh.hq / sh.hkv;
-        const int units = live_rows * per_row;
-        // A sparsity head spans several KV heads whole items cover: windows of rows, KV head by KV head.
-        const bool by_kv = group > kv_group && group % kv_group == 0 && kv_group % sh.heads_per_tile == 0;
-        const int per_kv = by_kv ? kv_group / sh.heads_per_tile : per_row;
-        const int window_rows = per_kv > 0 ? std::max(1, (concurrent + per_kv - 1) / per_kv) : 1;
-        std::vector<int> seen(static_cast<std::size_t>(units), 0);
-        std::array<int, 3> last{-1, -1, -1};  // (window, KV head, row) of the previous item
-        bool ordered = true;
-        for (int unit = 0; unit < units; ++unit) {
-          const bsattn::gpu::fwd::ItemPlace at =
-              bsattn::gpu::fwd::item_place(p, sh.heads_per_tile, unit, units, concurrent);
-          ASSERT_GE(at.order_index, 0);
-          ASSERT_LT(at.order_index, live_rows);
-          ASSERT_GE(at.head_offset, 0);
-          ASSERT_LT(at.head_offset, group);
-          ASSERT_EQ(at.head_offset % sh.heads_per_tile, 0);
-          ++seen[static_cast<std::size_t>(at.order_index) * per_row + at.head_offset / sh.heads_per_tile];
-          const std::array<int, 3> key =
-              by_kv ? std::array<int, 3>{at.order_index / window_rows, at.head_offset / kv_group, at.order_index}
-                    : std::array<int, 3>{0, 0, at.order_index};
-          ordered &= key >= last;
-          last = key;
+      for (const int concurrent : {1, 2, 7, 66, 132, 100000})
+        for (const int kv_major_windows : {0, 1, 2}) {  // none, every window, every other window
+          SCOPED_TRACE("hq " + std::to_string(sh.hq) + " hkv " + std::to_string(sh.hkv) + " hs " +
+                       std::to_string(sh.hs) + " heads per tile " + std::to_string(sh.heads_per_tile) + " rows " +
+                       std::to_string(live_rows) + " concurrent " + std::to_string(concurrent) + " kv-major windows " +
+                       std::to_string(kv_major_windows));
+          bsattn::route::RouteParams p;
+          p.heads_q = sh.hq;
+          p.heads_kv = sh.hkv;
+          p.sparsity_heads = sh.hs;
+          const int group = sh.hq / sh.hs, per_row = group / sh.heads_per_tile, kv_group = sh.hq / sh.hkv;
+          if (per_row == 0) continue;  // heads_per_tile above the sparsity head's: not a packing
+          const int units = live_rows * per_row;
+          // A sparsity head spans several KV heads whole items cover: windows that may go KV head by KV head.
+          const bool spans = group > kv_group && group % kv_group == 0 && kv_group % sh.heads_per_tile == 0;
+          const int per_kv = spans ? kv_group / sh.heads_per_tile : per_row;
+          const int window_rows = std::max(1, (concurrent + per_kv - 1) / per_kv);
+          std::vector<int> seen(static_cast<std::size_t>(units), 0);
+          std::array<int, 3> last{-1, -1, -1};  // (window, KV head, row) of the previous item
+          bool ordered = true;
+          for (int unit = 0; unit < units; ++unit) {
+            const bsattn::gpu::fwd::ItemWindow w =
+                bsattn::gpu::fwd::item_window(p, sh.heads_per_tile, unit, units, concurrent);
+            ASSERT_EQ(w.per_row, per_row);
+            ASSERT_EQ(w.per_kv, per_kv);
+            ASSERT_EQ(w.first_row % window_rows, 0);
+            ASSERT_EQ(w.rows, std::min(window_rows, live_rows - w.first_row));
+            ASSERT_GE(unit, w.first_row * per_row);
+            ASSERT_LT(unit, (w.first_row + w.rows) * per_row);
+            const int window = w.first_row / window_rows;
+            const bool kv_major = kv_major_windows == 1 || (kv_major_windows == 2 && window % 2 == 1);
+            const bsattn::gpu::fwd::ItemPlace at = bsattn::gpu::fwd::item_place(w, sh.heads_per_tile, unit, kv_major);
+            ASSERT_GE(at.order_index, w.first_row);
+            ASSERT_LT(at.order_index, w.first_row + w.rows);
+            ASSERT_GE(at.head_offset, 0);
+            ASSERT_LT(at.head_offset, group);
+            ASSERT_EQ(at.head_offset % sh.heads_per_tile, 0);
+            ++seen[static_cast<std::size_t>(at.order_index) * per_row + at.head_offset / sh.heads_per_tile];
+            const int kv = kv_major && spans ? at.head_offset / kv_group : 0;  // KV head within the sparsity head's
+            const std::array<int, 3> key{window, kv, at.order_index};
+            if (key[0] != last[0]) last = {key[0], -1, -1};
+            ordered &= key >= last;
+            last = key;
+          }
+          for (int v : seen) ASSERT_EQ(v, 1);
+          EXPECT_TRUE(ordered);
         }
-        for (int v : seen) ASSERT_EQ(v, 1);
-        EXPECT_TRUE(ordered);
-      }
 }
 
 // The work order: a permutation of the rows, grouped by KV group (rows_per_group consecutive rows;

@@ -165,7 +165,8 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
     // Softmax of exact step `step` (its records rt): the routes' masks, where they cut, then the
     // plain step. Route pairs: columns [h kRouteN, (h + 1) kRouteN) are route h's.
     // KV tiles [0, whole_tiles) hold kRouteN tokens of the sequence (a route's n_valid below).
-    const int whole_tiles = p.tile_n >= T::kRouteN && seqlen_kv >= T::kRouteN ? (seqlen_kv - T::kRouteN) / p.tile_n + 1 : 0;
+    const int whole_tiles =
+        p.tile_n >= T::kRouteN && seqlen_kv >= T::kRouteN ? (seqlen_kv - T::kRouteN) / p.tile_n + 1 : 0;
     auto exact_softmax = [&](const StepRoutes<T::kRoutesPerStep>& rt, int step, float (&rescale)[kRows]) {
       bool cut = false;
       CUTE_UNROLL

@@ -75,6 +75,9 @@ __device__ __forceinline__ void run_tile_warp(const TileHandoff<T::kThreads>& ha
                                               int pair_rank, int lane) {
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr bool kPair = T::kPairMulticast;
+  // Route counts a window's numbering may read (place_tile): the same answer for every item of the
+  // launch, the first tile's included.
+  const bool counts_ready = !q_early && !from_lengths;
   // Returns false once it wrote the end of work.
   const auto hand_out = [&](auto slot_index) -> bool {
     constexpr int s = decltype(slot_index)::value;
@@ -89,7 +92,7 @@ __device__ __forceinline__ void run_tile_warp(const TileHandoff<T::kThreads>& ha
       const int items = live_work_items(a, item_heads, splits);
       const int item = !prev.written ? first_item<kPair>() : next_item<kPair>(a, prev.item, items);
       const int concurrent = static_cast<int>(gridDim.x) / (kPair ? 2 : 1);  // CTAs, or pairs, in flight
-      if (item < items) place_tile(a, item, items, item_heads, concurrent, slot, splits);
+      if (item < items) place_tile(a, item, items, item_heads, concurrent, counts_ready, slot, splits);
       else slot.row = -1;  // no more work
     }
     __syncwarp();

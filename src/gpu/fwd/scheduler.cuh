@@ -1,8 +1,8 @@
 // Work order of the persistent kernel. A work item is (route row, query head(s) of the row's
 // sparsity head: one, or two with GQA packing or a CTA pair); items are numbered in the rows' work
 // order (row_order, sorted on the device after route preparation: rows grouped by the KV head
-// whose K/V they read, longest first inside a group; prepare_routes.cu), in windows of rows taken
-// KV head by KV head where a row's heads span several (work_items.hpp: item_place).
+// whose K/V they read, longest first inside a group; prepare_routes.cu); where a row's heads span
+// several KV heads, windows of rows of equal length go KV head by KV head (work_items.hpp).
 // A CTA starts with item blockIdx.x and then takes the next unclaimed item from a global counter:
 // long rows start first and short ones fill the tail, whatever the sparsity pattern. The two CTAs
 // of a pair must walk the same items, so clusters take a static share instead: the work order is
@@ -66,12 +66,20 @@ __host__ __device__ __forceinline__ int warpgroup_head(const Tile& tile, int wg,
 // `splits` > 1 (decode): the splits of one (row, head group) are adjacent items; split s takes
 // routes [s * ceil(n / splits), +ceil(n / splits)) of the row's n, possibly none.
 // `items`: the launch's live items (live_work_items); `concurrent`: the items in flight at once
-// (the CTAs, or clusters, of the launch; item_place).
+// (the CTAs, or clusters, of the launch; item_window); `counts_ready`: route preparation's counts
+// may be read (it ran, and the caller waited for it).
 __device__ __forceinline__ void place_tile(const AttentionParams& a, int item, int items, int heads_per_tile,
-                                           int concurrent, Tile& t, int splits = 1) {
+                                           int concurrent, bool counts_ready, Tile& t, int splits = 1) {
   const route::RouteParams& p = a.route;
-  const ItemPlace at = item_place(p, heads_per_tile, item / splits, items / splits, max(concurrent / splits, 1));
-  const int row = a.row_order ? a.row_order[at.order_index] : at.order_index;  // null: index order
+  const int unit = item / splits;
+  const ItemWindow w = item_window(p, heads_per_tile, unit, items / splits, max(concurrent / splits, 1));
+  const auto order = [&](int i) { return a.row_order ? a.row_order[i] : i; };  // null: index order
+  // KV head by KV head where the window's rows are as long as each other (work_items.hpp): the
+  // order sorts them longest first, so its first and last row tell.
+  const bool kv_major = w.per_kv < w.per_row && counts_ready &&
+                        a.route_counts[order(w.first_row)] == a.route_counts[order(w.first_row + w.rows - 1)];
+  const ItemPlace at = item_place(w, heads_per_tile, unit, kv_major);
+  const int row = order(at.order_index);
   t.item = item;
   t.row = row;
   t.split = item % splits;

@@ -24,36 +24,45 @@ BSATTN_HD bool packable_heads(const route::RouteParams& p) {
 // ones, whole rows of them): the position of its route row in the work order and the offset of
 // its first query head in the row's sparsity head. Rows go in work order (longest first within
 // the rows that read one KV head), a row's items adjacent, so that heads sharing K/V tiles run at
-// the same time and meet in L2. Where a sparsity head spans several KV heads (a pattern shared by
-// more query heads than a KV group has, and every all_blocks plan), the rows are taken in windows
-// of consecutive work-order rows, and inside a window KV head by KV head: the window's items of
-// the first KV head, then of the next. A window holds at least `concurrent` items (the CTAs or
-// clusters in flight) per KV head, so the items in flight read one KV head's K/V, not all of them
-// at once (row by row, the dense S 32768 row with one pattern for all heads hit L2 in 79 % of its
-// loads and read 9 GB from DRAM; FlashAttention-4 98 % and 0.9 GB: bench/RESULTS.md, 2026-12-06
-// 07:38). The windows keep the work order's longest-first: numbered KV head by KV head over all
-// rows at once, the longest rows of the last KV head started last, and causal S 8192 ran 37 %
-// slower (2026-12-06 09:59).
+// the same time and meet in L2.
+//
+// Where a sparsity head spans several KV heads (a pattern shared by more query heads than a KV
+// group has, and every all_blocks plan), a row's items read several KV heads' K/V, and the items in
+// flight read all of them at once (row by row, the dense S 32768 row with one pattern for all
+// heads hit L2 in 79 % of its loads and read 9 GB from DRAM; FlashAttention-4 98 % and 0.9 GB:
+// bench/RESULTS.md, 2026-12-06 07:38). There the rows are cut into windows of consecutive
+// work-order rows holding at least `concurrent` items (the CTAs or pairs in flight) of each KV
+// head, and a window may be numbered KV head by KV head (kv_major: its items of the first KV head,
+// then of the next), so that the items in flight read one KV head's K/V. The kernel does so only
+// where the window's rows have equal route counts (place_tile): with rows of unequal length, the
+// CTA pairs' static share of the items (scheduler.cuh) took the same rows from every KV head's run,
+// and causal S 8192 and the packed documents ran 11 % and 10 % slower (2026-12-06 10:15).
+struct ItemWindow {
+  int first_row;  // work-order position of the window's first row
+  int rows;       // rows in the window
+  int per_row;    // items of a row
+  int per_kv;     // items of one (row, KV head): per_row unless the row's heads span several KV heads
+};
+BSATTN_HD ItemWindow item_window(const route::RouteParams& p, int heads_per_tile, int unit, int units,
+                                 int concurrent) {
+  const int per_row = p.heads_q / p.sparsity_heads / heads_per_tile;
+  const int group = p.heads_q / p.heads_kv;
+  int per_kv = per_row;  // several KV heads that whole items cover: a KV head's share of the row
+  if (group % heads_per_tile == 0 && group / heads_per_tile < per_row && per_row % (group / heads_per_tile) == 0)
+    per_kv = group / heads_per_tile;
+  const int window_rows = (concurrent > per_kv ? concurrent + per_kv - 1 : per_kv) / per_kv;
+  const int first_row = unit / per_row / window_rows * window_rows, rows = units / per_row;
+  return {first_row, rows - first_row < window_rows ? rows - first_row : window_rows, per_row, per_kv};
+}
 struct ItemPlace {
   int order_index;  // into the work order (row_order)
   int head_offset;  // first query head, from the row's sparsity head's first
 };
-BSATTN_HD ItemPlace item_place(const route::RouteParams& p, int heads_per_tile, int unit, int units,
-                               int concurrent) {
-  const int per_row = p.heads_q / p.sparsity_heads / heads_per_tile;  // items of a row
-  const int group = p.heads_q / p.heads_kv;
-  // Items of one (row, KV head): the whole row unless its heads span several KV heads that whole
-  // items cover.
-  int per_kv = per_row;
-  if (group % heads_per_tile == 0 && group / heads_per_tile < per_row && per_row % (group / heads_per_tile) == 0)
-    per_kv = group / heads_per_tile;
-  const int rows = units / per_row;
-  const int window_rows = (concurrent > per_kv ? concurrent + per_kv - 1 : per_kv) / per_kv;
-  const int first_row = unit / per_row / window_rows * window_rows;  // the window's
-  const int window_kv = (rows - first_row < window_rows ? rows - first_row : window_rows) * per_kv;
-  const int in_window = unit - first_row * per_row;
-  const int kv = in_window / window_kv, rest = in_window % window_kv;
-  return {first_row + rest / per_kv, (kv * per_kv + rest % per_kv) * heads_per_tile};
+BSATTN_HD ItemPlace item_place(const ItemWindow& w, int heads_per_tile, int unit, bool kv_major) {
+  if (!kv_major) return {unit / w.per_row, unit % w.per_row * heads_per_tile};
+  const int in_window = unit - w.first_row * w.per_row, run = w.rows * w.per_kv;  // a KV head's items
+  const int kv = in_window / run, rest = in_window % run;
+  return {w.first_row + rest / w.per_kv, (kv * w.per_kv + rest % w.per_kv) * heads_per_tile};
 }
 
 }  // namespace bsattn::gpu::fwd
