@@ -377,6 +377,61 @@ TEST(GpuRoutesHost, WorkItemsReachEveryRowAndHeadOnce) {
         }
 }
 
+// Which windows go KV head by KV head: those whose rows are as long as each other, and full
+// windows sorted longest first inside one group of the work order (one sequence and sparsity
+// head); not a window of unsorted rows (a boundary between two sequences' rows in it, rows in
+// index order), nor a partial one of unequal rows (its runs would not line up with the share's
+// groups).
+TEST(GpuRoutesHost, KvMajorWindowsAreThoseTheShareBalances) {
+  bsattn::route::RouteParams p;
+  p.heads_q = 32;
+  p.heads_kv = 8;
+  p.sparsity_heads = 1;
+  p.max_q_tiles = 40;
+  const int per_row = 16, concurrent = 66, rows = 80;  // two sequences of 40 route rows
+  std::vector<std::int32_t> counts(rows), order(rows);
+  bsattn::AttentionParams a;
+  a.route = p;
+  a.route_counts = counts.data();
+  const auto by_order = [&](int i) { return order[static_cast<std::size_t>(i)]; };
+  const auto window_at = [&](int row) {
+    return bsattn::gpu::fwd::item_window(p, 2, row * per_row, rows * per_row, concurrent);
+  };
+  const auto kv_major = [&](int row) {
+    return bsattn::gpu::fwd::kv_major_window(a, window_at(row), concurrent, by_order);
+  };
+  ASSERT_EQ(window_at(0).rows, 33);
+  ASSERT_EQ(window_at(79).first_row, 66);
+  ASSERT_EQ(window_at(79).rows, 14);
+  // Causal rows, sorted longest first within each sequence (rows 0-39: sequence 0, 40-79: 1).
+  for (int i = 0; i < rows; ++i) {
+    order[static_cast<std::size_t>(i)] = i < 40 ? 39 - i : 40 + 79 - i;
+    counts[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])] = i < 40 ? 40 - i : 80 - i;
+  }
+  EXPECT_TRUE(kv_major(0));    // positions 0-32: sequence 0, sorted
+  EXPECT_FALSE(kv_major(33));  // positions 33-65: both sequences
+  EXPECT_FALSE(kv_major(66));  // a partial window of unequal rows
+  // The same rows in index order (ascending within each sequence): no window.
+  for (int i = 0; i < rows; ++i) order[static_cast<std::size_t>(i)] = i;
+  EXPECT_FALSE(kv_major(0));
+  EXPECT_FALSE(kv_major(66));
+  // Equal rows: every window, the partial one too.
+  for (auto& c : counts) c = 7;
+  for (int row : {0, 33, 66}) EXPECT_TRUE(kv_major(row));
+  // First above last inside one sequence, but the middle row above the first: not taken.
+  for (auto& c : counts) c = 10;
+  counts[0] = 20;
+  counts[16] = 30;
+  EXPECT_FALSE(kv_major(0));
+  // Sorted within each sequence, a sequence boundary inside the window (rows 0-24, 25-49: 100-76,
+  // 90-66): first >= middle >= last, yet the counts rise at the boundary: not taken.
+  a.route.max_q_tiles = 25;
+  for (int i = 0; i < rows; ++i) counts[static_cast<std::size_t>(i)] = i < 25 ? 100 - i : 90 - (i - 25);
+  EXPECT_FALSE(kv_major(0));
+  a.route.max_q_tiles = 40;
+  EXPECT_TRUE(kv_major(0));  // the same counts as one sequence's rows 0-32: sorted
+}
+
 // The work order: a permutation of the rows, grouped by KV group (rows_per_group consecutive rows;
 // more groups than the sort's bins share a range, in order), longest first inside a group up to
 // the count scaling (counts within max_count / bins of each other may swap). Given the route

@@ -74,10 +74,8 @@ __device__ __forceinline__ void place_tile(const AttentionParams& a, int item, i
   const int unit = item / splits;
   const ItemWindow w = item_window(p, heads_per_tile, unit, items / splits, max(concurrent / splits, 1));
   const auto order = [&](int i) { return a.row_order ? a.row_order[i] : i; };  // null: index order
-  // KV head by KV head where the window's rows are as long as each other (work_items.hpp): the
-  // order sorts them longest first, so its first and last row tell.
-  const bool kv_major = w.per_kv < w.per_row && counts_ready &&
-                        a.route_counts[order(w.first_row)] == a.route_counts[order(w.first_row + w.rows - 1)];
+  const bool kv_major =
+      w.per_kv < w.per_row && counts_ready && kv_major_window(a, w, max(concurrent / splits, 1), order);
   const ItemPlace at = item_place(w, heads_per_tile, unit, kv_major);
   const int row = order(at.order_index);
   t.item = item;

@@ -5,6 +5,7 @@
 #pragma once
 #include "bsattn/attention_params.hpp"
 #include "bsattn/route/params.hpp"
+#include "bsattn/route/prepare.hpp"
 
 namespace bsattn::gpu::fwd {
 
@@ -34,9 +35,9 @@ BSATTN_HD bool packable_heads(const route::RouteParams& p) {
 // work-order rows holding at least `concurrent` items (the CTAs or pairs in flight) of each KV
 // head, and a window may be numbered KV head by KV head (kv_major: its items of the first KV head,
 // then of the next), so that the items in flight read one KV head's K/V. The kernel does so only
-// where the window's rows have equal route counts (place_tile): with rows of unequal length, the
-// CTA pairs' static share of the items (scheduler.cuh) took the same rows from every KV head's run,
-// and causal S 8192 and the packed documents ran 11 % and 10 % slower (2026-12-06 10:15).
+// where the CTA pairs' static share of the items (scheduler.cuh) stays balanced (kv_major_window):
+// with windows of unsorted rows of unequal length, the share took the same rows from every KV
+// head's run, and causal S 8192 and the packed documents ran 11 % and 10 % slower (2026-12-06 10:15).
 struct ItemWindow {
   int first_row;  // work-order position of the window's first row
   int rows;       // rows in the window
@@ -63,6 +64,24 @@ BSATTN_HD ItemPlace item_place(const ItemWindow& w, int heads_per_tile, int unit
   const int in_window = unit - w.first_row * w.per_row, run = w.rows * w.per_kv;  // a KV head's items
   const int kv = in_window / run, rest = in_window % run;
   return {w.first_row + rest / w.per_kv, (kv * w.per_kv + rest % w.per_kv) * heads_per_tile};
+}
+
+// Whether window `w` goes KV head by KV head: where the CTA pairs' static share
+// stays balanced, that is where the window's rows are as long as each other (the work order sorts
+// longest first, so its first and last rows' route counts tell), or where a full window (its
+// runs as long as the items in flight) is sorted: its first and last rows in one group of the
+// order (one sequence and sparsity head, sorted longest first) and first >= middle >= last.
+// `order`: work-order position -> route row.
+template <class Order>
+BSATTN_HD bool kv_major_window(const AttentionParams& a, const ItemWindow& w, int concurrent, const Order& order) {
+  const int first = order(w.first_row), last = order(w.first_row + w.rows - 1);
+  const int n_first = a.route_counts[first], n_last = a.route_counts[last];
+  if (n_first == n_last) return true;
+  if (w.rows * w.per_kv < concurrent || n_first < n_last) return false;
+  const route::RowCoordinates f = route::row_coordinates(a.route, first), l = route::row_coordinates(a.route, last);
+  if (f.b != l.b || f.hs != l.hs) return false;
+  const int n_middle = a.route_counts[order(w.first_row + w.rows / 2)];
+  return n_first >= n_middle && n_middle >= n_last;
 }
 
 }  // namespace bsattn::gpu::fwd
