@@ -377,11 +377,11 @@ TEST(GpuRoutesHost, WorkItemsReachEveryRowAndHeadOnce) {
         }
 }
 
-// Which windows go KV head by KV head: those whose rows are as long as each other, and full
-// windows sorted longest first inside one group of the work order (one sequence and sparsity
-// head); not a window of unsorted rows (a boundary between two sequences' rows in it, rows in
-// index order), nor a partial one of unequal rows (its runs would not line up with the share's
-// groups).
+// Which windows go KV head by KV head (of a sorted work order): with the CTA pairs' static share,
+// full windows inside one group of the order (one sequence and sparsity head) and windows whose
+// rows are as long as each other; not a window across two sequences' rows of unequal length, nor
+// a partial one of unequal rows (its runs would not line up with the share's groups). Items
+// claimed from the counter: only windows of equal rows.
 TEST(GpuRoutesHost, KvMajorWindowsAreThoseTheShareBalances) {
   bsattn::route::RouteParams p;
   p.heads_q = 32;
@@ -398,7 +398,7 @@ TEST(GpuRoutesHost, KvMajorWindowsAreThoseTheShareBalances) {
     return bsattn::gpu::fwd::item_window(p, 2, row * per_row, rows * per_row, concurrent);
   };
   const auto kv_major = [&](int row) {
-    return bsattn::gpu::fwd::kv_major_window(a, window_at(row), concurrent, by_order);
+    return bsattn::gpu::fwd::kv_major_window<true>(a, window_at(row), concurrent, by_order);
   };
   ASSERT_EQ(window_at(0).rows, 33);
   ASSERT_EQ(window_at(79).first_row, 66);
@@ -408,28 +408,25 @@ TEST(GpuRoutesHost, KvMajorWindowsAreThoseTheShareBalances) {
     order[static_cast<std::size_t>(i)] = i < 40 ? 39 - i : 40 + 79 - i;
     counts[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])] = i < 40 ? 40 - i : 80 - i;
   }
-  EXPECT_TRUE(kv_major(0));    // positions 0-32: sequence 0, sorted
+  EXPECT_TRUE(kv_major(0));    // positions 0-32: sequence 0
   EXPECT_FALSE(kv_major(33));  // positions 33-65: both sequences
   EXPECT_FALSE(kv_major(66));  // a partial window of unequal rows
-  // The same rows in index order (ascending within each sequence): no window.
-  for (int i = 0; i < rows; ++i) order[static_cast<std::size_t>(i)] = i;
-  EXPECT_FALSE(kv_major(0));
-  EXPECT_FALSE(kv_major(66));
-  // Equal rows: every window, the partial one too.
+  // Equal rows: every window, the partial one and the one across both sequences too.
   for (auto& c : counts) c = 7;
   for (int row : {0, 33, 66}) EXPECT_TRUE(kv_major(row));
-  // First above last inside one sequence, but the middle row above the first: not taken.
-  for (auto& c : counts) c = 10;
-  counts[0] = 20;
-  counts[16] = 30;
-  EXPECT_FALSE(kv_major(0));
-  // Sorted within each sequence, a sequence boundary inside the window (rows 0-24, 25-49: 100-76,
-  // 90-66): first >= middle >= last, yet the counts rise at the boundary: not taken.
+  // Rows of two sequences sorted together (one range of the order), counts falling across the
+  // boundary: taken only where first and last are of one sequence.
   a.route.max_q_tiles = 25;
-  for (int i = 0; i < rows; ++i) counts[static_cast<std::size_t>(i)] = i < 25 ? 100 - i : 90 - (i - 25);
-  EXPECT_FALSE(kv_major(0));
+  for (int i = 0; i < rows; ++i) {
+    order[static_cast<std::size_t>(i)] = i;
+    counts[static_cast<std::size_t>(i)] = 100 - i;
+  }
+  EXPECT_FALSE(kv_major(0));  // rows 0-32: sequences 0 and 1
   a.route.max_q_tiles = 40;
-  EXPECT_TRUE(kv_major(0));  // the same counts as one sequence's rows 0-32: sorted
+  EXPECT_TRUE(kv_major(0));
+  EXPECT_FALSE(bsattn::gpu::fwd::kv_major_window<false>(a, window_at(0), concurrent, by_order));
+  for (auto& c : counts) c = 7;
+  EXPECT_TRUE(bsattn::gpu::fwd::kv_major_window<false>(a, window_at(0), concurrent, by_order));
 }
 
 // The work order: a permutation of the rows, grouped by KV group (rows_per_group consecutive rows;

@@ -151,6 +151,7 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
     // wait, whose asm clobbers memory).
     const route::Route* const routes = tile.routes;
     const int exact_routes = tile.exact;
+    const int seqlen_kv = si.seqlen_kv;
     const int tile_row0 = warpgroup_row0<T>(wg);
     const int head = warpgroup_head<T>(tile, wg, pair_rank);
     const int q_begin = tile.q0 + tile_row0;
@@ -163,24 +164,22 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
     clear(tOrO);
     // Softmax of exact step `step` (its records rt): the routes' masks, where they cut, then the
     // plain step. Route pairs: columns [h kRouteN, (h + 1) kRouteN) are route h's.
-    // KV tiles [0, whole_tiles) hold kRouteN tokens of the sequence (a route's n_valid below, where
-    // the sequence length is read again from the slot: only steps that cut need it).
-    const int whole_tiles =
-        p.tile_n >= T::kRouteN && si.seqlen_kv >= T::kRouteN ? (si.seqlen_kv - T::kRouteN) / p.tile_n + 1 : 0;
     auto exact_softmax = [&](const StepRoutes<T::kRoutesPerStep>& rt, int step, float (&rescale)[kRows]) {
+      RouteMask m[T::kRoutesPerStep];
       bool cut = false;
       CUTE_UNROLL
-      for (int h = 0; h < T::kRoutesPerStep; ++h)
-        cut |= rt.route[h].masked != 0 || (rt.route[h].rows & present) != present || rt.route[h].index >= whole_tiles;
+      for (int h = 0; h < T::kRoutesPerStep; ++h) {
+        const int k0 = rt.route[h].index * p.tile_n;
+        m[h].k0 = k0 - h * T::kRouteN;
+        m[h].n_valid = h * T::kRouteN + min(p.tile_n, seqlen_kv - k0);
+        m[h].rows = rt.route[h].rows;
+        m[h].masked = rt.route[h].masked;
+        cut |= rt.route[h].masked != 0 || (rt.route[h].rows & present) != present ||
+               m[h].n_valid < (h + 1) * T::kRouteN;
+      }
       if (cut) {
-        RouteMask m[T::kRoutesPerStep];
         CUTE_UNROLL
         for (int h = 0; h < T::kRoutesPerStep; ++h) {
-          const int k0 = rt.route[h].index * p.tile_n;
-          m[h].k0 = k0 - h * T::kRouteN;
-          m[h].n_valid = h * T::kRouteN + min(p.tile_n, si.seqlen_kv - k0);
-          m[h].rows = rt.route[h].rows;
-          m[h].masked = rt.route[h].masked;
           m[h].token_mask = tile_rows.tokens() - 1;
           m[h].q_begin = q_begin;
           m[h].tile_row0 = tile_row0;

@@ -92,7 +92,7 @@ __device__ __forceinline__ void run_tile_warp(const TileHandoff<T::kThreads>& ha
       const int items = live_work_items(a, item_heads, splits);
       const int item = !prev.written ? first_item<kPair>() : next_item<kPair>(a, prev.item, items);
       const int concurrent = static_cast<int>(gridDim.x) / (kPair ? 2 : 1);  // CTAs, or pairs, in flight
-      if (item < items) place_tile(a, item, items, item_heads, concurrent, counts_ready, slot, splits);
+      if (item < items) place_tile<kPair>(a, item, items, item_heads, concurrent, counts_ready, slot, splits);
       else slot.row = -1;  // no more work
     }
     __syncwarp();

@@ -67,7 +67,9 @@ __host__ __device__ __forceinline__ int warpgroup_head(const Tile& tile, int wg,
 // routes [s * ceil(n / splits), +ceil(n / splits)) of the row's n, possibly none.
 // `items`: the launch's live items (live_work_items); `concurrent`: the items in flight at once
 // (the CTAs, or clusters, of the launch; item_window); `counts_ready`: route preparation's counts
-// may be read (it ran, and the caller waited for it).
+// may be read (it ran, and the caller waited for it); kPair: the items are the CTA pairs' static
+// share (next_item).
+template <bool kPair>
 __device__ __forceinline__ void place_tile(const AttentionParams& a, int item, int items, int heads_per_tile,
                                            int concurrent, bool counts_ready, Tile& t, int splits = 1) {
   const route::RouteParams& p = a.route;
@@ -75,7 +77,7 @@ __device__ __forceinline__ void place_tile(const AttentionParams& a, int item, i
   const ItemWindow w = item_window(p, heads_per_tile, unit, items / splits, max(concurrent / splits, 1));
   const auto order = [&](int i) { return a.row_order ? a.row_order[i] : i; };  // null: index order
   const bool kv_major =
-      w.per_kv < w.per_row && counts_ready && kv_major_window(a, w, max(concurrent / splits, 1), order);
+      w.per_kv < w.per_row && counts_ready && kv_major_window<kPair>(a, w, max(concurrent / splits, 1), order);
   const ItemPlace at = item_place(w, heads_per_tile, unit, kv_major);
   const int row = order(at.order_index);
   t.item = item;

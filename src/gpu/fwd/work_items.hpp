@@ -5,7 +5,6 @@
 #pragma once
 #include "bsattn/attention_params.hpp"
 #include "bsattn/route/params.hpp"
-#include "bsattn/route/prepare.hpp"
 
 namespace bsattn::gpu::fwd {
 
@@ -66,22 +65,25 @@ BSATTN_HD ItemPlace item_place(const ItemWindow& w, int heads_per_tile, int unit
   return {w.first_row + rest / w.per_kv, (kv * w.per_kv + rest % w.per_kv) * heads_per_tile};
 }
 
-// Whether window `w` goes KV head by KV head: where the CTA pairs' static share
-// stays balanced, that is where the window's rows are as long as each other (the work order sorts
-// longest first, so its first and last rows' route counts tell), or where a full window (its
-// runs as long as the items in flight) is sorted: its first and last rows in one group of the
-// order (one sequence and sparsity head, sorted longest first) and first >= middle >= last.
+// Whether window `w` goes KV head by KV head: where the items stay balanced across the CTAs.
+// Rows as long as each other (the order sorts longest first, so the first and last rows' route
+// counts tell) are balanced whatever the numbering. With CTA pairs (kStaticShare: the pairs'
+// static share of the items, scheduler.cuh) a full window (runs as long as the pairs in flight)
+// sorted longest first is too: each KV head's run is a whole group of the share, which pairs each
+// run's c-th longest row with the next run's c-th shortest. It is sorted where its first and last
+// rows are of one group of the work order (one sequence and sparsity head; the order sorts a group
+// longest first, and groups sorted together share a range of it). Claimed one by one from the
+// counter, the same window would start the last KV head's longest rows last; it is also one test
+// more than the 40-register tile warps of the 64-row proxy kernels hold without spilling.
 // `order`: work-order position -> route row.
-template <class Order>
+template <bool kStaticShare, class Order>
 BSATTN_HD bool kv_major_window(const AttentionParams& a, const ItemWindow& w, int concurrent, const Order& order) {
   const int first = order(w.first_row), last = order(w.first_row + w.rows - 1);
-  const int n_first = a.route_counts[first], n_last = a.route_counts[last];
-  if (n_first == n_last) return true;
-  if (w.rows * w.per_kv < concurrent || n_first < n_last) return false;
-  const route::RowCoordinates f = route::row_coordinates(a.route, first), l = route::row_coordinates(a.route, last);
-  if (f.b != l.b || f.hs != l.hs) return false;
-  const int n_middle = a.route_counts[order(w.first_row + w.rows / 2)];
-  return n_first >= n_middle && n_middle >= n_last;
+  if constexpr (kStaticShare) {
+    // Route rows are (b * Hs + hs) * max_q_tiles + q_tile.
+    if (w.rows * w.per_kv >= concurrent && first / a.route.max_q_tiles == last / a.route.max_q_tiles) return true;
+  }
+  return a.route_counts[first] == a.route_counts[last];
 }
 
 }  // namespace bsattn::gpu::fwd
