@@ -73,11 +73,11 @@ template <bool kPair>
 __device__ __forceinline__ void place_tile(const AttentionParams& a, int item, int items, int heads_per_tile,
                                            int concurrent, bool counts_ready, Tile& t, int splits = 1) {
   const route::RouteParams& p = a.route;
-  const int unit = item / splits;
-  const ItemWindow w = item_window(p, heads_per_tile, unit, items / splits, max(concurrent / splits, 1));
+  const int unit = item / splits, units_in_flight = max(concurrent / splits, 1);
+  const ItemWindow w = item_window(p, heads_per_tile, unit, items / splits, units_in_flight);
   const auto order = [&](int i) { return a.row_order ? a.row_order[i] : i; };  // null: index order
   const bool kv_major =
-      w.per_kv < w.per_row && counts_ready && kv_major_window<kPair>(a, w, max(concurrent / splits, 1), order);
+      w.per_kv < w.per_row && counts_ready && kv_major_window<kPair>(a, w, units_in_flight, order);
   const ItemPlace at = item_place(w, heads_per_tile, unit, kv_major);
   const int row = order(at.order_index);
   t.item = item;
