@@ -2,7 +2,8 @@
 // sparsity head: one, or two with GQA packing or a CTA pair); items are numbered in the rows' work
 // order (row_order, sorted on the device after route preparation: rows grouped by the KV head
 // whose K/V they read, longest first inside a group; prepare_routes.cu); where a row's heads span
-// several KV heads, windows of rows of equal length go KV head by KV head (work_items.hpp).
+// several KV heads, windows of rows that keep the CTAs balanced go KV head by KV head
+// (work_items.hpp: kv_major_window).
 // A CTA starts with item blockIdx.x and then takes the next unclaimed item from a global counter:
 // long rows start first and short ones fill the tail, whatever the sparsity pattern. The two CTAs
 // of a pair must walk the same items, so clusters take a static share instead: the work order is

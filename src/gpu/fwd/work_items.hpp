@@ -72,10 +72,10 @@ BSATTN_HD ItemPlace item_place(const ItemWindow& w, int heads_per_tile, int unit
 // sorted longest first is too: each KV head's run is a whole group of the share, which pairs each
 // run's c-th longest row with the next run's c-th shortest. It is sorted where its first and last
 // rows are of one group of the work order (one sequence and sparsity head; the order sorts a group
-// longest first, and groups sorted together share a range of it). Claimed one by one from the
-// counter, the same window would start the last KV head's longest rows last; it is also one test
-// more than the 40-register tile warps of the 64-row proxy kernels hold without spilling.
-// `order`: work-order position -> route row.
+// longest first, and groups sorted together share a range of it). Only the pair kernels take such
+// windows, as measured (bench/RESULTS.md, 2026-12-06 11:14); for items claimed from the counter a
+// model of the claims finds them balanced too (causal S 16384-65536, packed documents), not yet
+// timed. `order`: work-order position -> route row.
 template <bool kStaticShare, class Order>
 BSATTN_HD bool kv_major_window(const AttentionParams& a, const ItemWindow& w, int concurrent, const Order& order) {
   const int first = order(w.first_row), last = order(w.first_row + w.rows - 1);
