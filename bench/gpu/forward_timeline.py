@@ -21,19 +21,21 @@ buffer = torch.zeros(2 * MAX_CTAS * SLOTS * 2 + MAX_CTAS * TILES * 3, dtype=torc
 os.environ["BSATTN_GPU_TIMELINE_BUFFER"] = str(buffer.data_ptr())  # read at the first launch
 LIB = benchlib.load(sys.argv[1], need=("bsattn_bench_plan", "bsattn_bench_run"))
 HQ, HKV, D, BLOCK = 32, 8, 128, 128
-# name: (batch, seqlen, causal, density per query head or None, window_left or -1). "window" and
+# name: (batch, seqlen, causal, density or None, window_left or -1, pattern heads). "window" and
 # "rand0.13" have the same routes per tile (33 against about 33), masked (two per tile) or not.
-SHAPES = {"causal": (1, 32768, True, None, -1), "rand0.1": (1, 32768, False, 0.1, -1),
-          "rand0.5": (1, 32768, False, 0.5, -1), "causal8k": (4, 8192, True, None, -1),
-          "window": (1, 32768, True, None, 4095), "rand0.13": (1, 32768, False, 0.13, -1),
+# Patterns per query head run the single-CTA kernel, one pattern for all heads the CTA pairs.
+SHAPES = {"causal": (1, 32768, True, None, -1, 1), "rand0.1": (1, 32768, False, 0.1, -1, HQ),
+          "rand0.5": (1, 32768, False, 0.5, -1, HQ), "causal8k": (4, 8192, True, None, -1, 1),
+          "window": (1, 32768, True, None, 4095, 1), "rand0.13": (1, 32768, False, 0.13, -1, HQ),
+          "rand0.1-shared": (1, 32768, False, 0.1, -1, 1), "rand0.5-shared": (1, 32768, False, 0.5, -1, 1),
           "docs": None}
 # "docs": issue 14's 16 packed documents (bench_forward.py's DOCS), causal within each, varlen.
 DOCS = (6000, 1, 3517, 5120, 129, 4096, 777, 2048, 5999, 64, 1500, 300, 1023, 1300, 17, 889)
 
 
-def lists(batch, seqlen, density, gen):
+def lists(heads, seqlen, density, gen):
     nb = seqlen // BLOCK
-    keep = torch.rand(1, HQ, nb, nb, generator=gen, device="cuda") < density
+    keep = torch.rand(1, heads, nb, nb, generator=gen, device="cuda") < density
     counts = keep.sum(-1).to(torch.int32)
     order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     return counts.contiguous(), order.contiguous()
@@ -54,14 +56,14 @@ def prepared_run(name):
                                                                BLOCK, 1, -1))
         args = [benchlib.ptr(t) for t in (q, k, v, cu, out, lse)]
         return plan, lambda: benchlib.ok(LIB, LIB.bsattn_bench_run_varlen(plan.h, *args, s)), (q, k, v, out, lse, cu)
-    batch, seqlen, causal, density, window_left = SHAPES[name]
+    batch, seqlen, causal, density, window_left, heads = SHAPES[name]
     q = torch.randn(batch, seqlen, HQ, D, dtype=torch.bfloat16, device="cuda", generator=gen)
     k = torch.randn(batch, seqlen, HKV, D, dtype=torch.bfloat16, device="cuda", generator=gen)
     v = torch.randn(batch, seqlen, HKV, D, dtype=torch.bfloat16, device="cuda", generator=gen)
     out = torch.empty_like(q)
-    cnt, idx = lists(batch, seqlen, density, gen) if density else (None, None)
+    cnt, idx = lists(heads, seqlen, density, gen) if density else (None, None)
     plan = benchlib.Plan(LIB, LIB.bsattn_bench_plan(batch, seqlen, HQ, HKV, D, 0, BLOCK, BLOCK, 1 if density else 0,
-                                                    HQ if density else 1, int(causal), window_left))
+                                                    heads, int(causal), window_left))
     args = [benchlib.ptr(t) for t in (q, k, v, out, None, cnt, idx)]
     return plan, lambda: benchlib.ok(LIB, LIB.bsattn_bench_run(plan.h, *args, s)), (q, k, v, out, cnt, idx)
 
