@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
 import peer_fa4  # noqa: E402  (imports flash_attn.cute only when asked)
 
 P = argparse.ArgumentParser()
@@ -49,6 +50,9 @@ P.add_argument("--only", default="", help="comma-separated config name prefixes"
 P.add_argument("--out", default="", help="write the result table (markdown) here")
 P.add_argument("--compare", nargs="+", default=[], help="other library builds timed against --lib, interleaved")
 P.add_argument("--rounds", type=int, default=5, help="interleaved rounds per configuration with --compare")
+P.add_argument("--power", action="store_true",
+               help="after timing, run bsattn and FlashAttention-4 back to back for 2 s each and report the SM "
+                    "clock, board power and power-cap share nvidia-smi samples (the 'power' table)")
 ARGS = P.parse_args()
 PEER_NAMES = ("flex", "cudnn", "fa4")
 if ARGS.peers not in ("all", "core", "none") and not set(ARGS.peers.split(",")) <= set(PEER_NAMES):
@@ -415,7 +419,7 @@ def fmt_peer(r, pn):
 
 def fa4_peer(row, x, out, notes):
     """FlashAttention-4 on the row's inputs and pattern: (median ms or None, rel L2 vs the
-    reference). Checked against bsattn's output `out` and the reference first; a failure or a
+    reference, the timed callable or None). Checked against bsattn's output `out` and the reference first; a failure or a
     mismatch goes into `notes` and leaves the row untimed."""
     try:
         f4 = peer_fa4.runner(row.kind, x.q, x.k, x.v, blk=x.blk, bq=row.bq, bk=row.bk, window=W, cu_seqlens=x.cu,
@@ -426,16 +430,36 @@ def fa4_peer(row, x, out, notes):
         spot = spot_errors(row, x, {"fa4": o4})["fa4"]
         del o4
         if e_ours < TOL and spot < TOL:
-            return time_ms(f4, ARGS.iters), spot
+            return time_ms(f4, ARGS.iters), spot, f4
         print(f"  MISMATCH {row.name}: FlashAttention-4 rel L2 vs bsattn {e_ours:.3e}, vs reference {spot:.3e}: "
               "not timed", flush=True)
         notes.append(f"fa4 mismatch (vs bsattn {e_ours:.1e}, vs reference {spot:.1e}): not timed")
-        return None, spot
+        return None, spot, None
     except Exception as e:  # noqa: BLE001 - e.g. a block size or head dim FA4 does not support
         msg = f"{type(e).__name__}: {str(e)[:200]}"
         print(f"  FlashAttention-4 failed on {row.name}: {msg}", flush=True)
         notes.append(f"fa4 fails: {msg[:100]}")
-        return None, float("nan")
+        return None, float("nan"), None
+
+
+POWER_HEADER = ("| config | kernel | TF/s back to back | SM MHz | board W | power-capped samples | GFLOP per J | C |\n"
+                "| --- | --- | --- | --- | --- | --- | --- | --- |\n")
+
+
+def power_line(name, flops, runs):
+    """Table rows of --power: each (label, callable, median ms) run back to back for 2 s."""
+    lines = []
+    for label, fn, ms in runs:
+        if fn is None or ms is None:
+            continue
+        p = benchlib.power_profile(fn, ms)
+        if p is None:
+            lines.append(f"| {name} | {label} | — | nvidia-smi gave no samples | | | | |")
+            continue
+        tf = flops / p["ms"] / 1e9
+        lines.append(f"| {name} | {label} | {tf:.0f} | {p['mhz']:.0f} | {p['watts']:.0f} | {p['capped']:.0%} "
+                     f"| {tf * 1e3 / p['watts']:.0f} | {p['temp']:.0f} |")
+    return "\n".join(lines)
 
 
 def table_of(rows, dense_time, fa4_note):
@@ -475,6 +499,7 @@ def main():
         configs = [c for c in configs if any(c.name.startswith(p) for p in pre)]
 
     rows = []
+    power_rows = []
     dense_time = {}
     fa4_wanted = False
     for row in configs:
@@ -525,10 +550,11 @@ def main():
             print(f"  MISMATCH {name}: bsattn rel L2 vs float32 reference {spot:.3e}", flush=True)
             notes.append(f"bsattn vs reference {spot:.1e}")
         fa4_spot = float("nan")
+        fa4_run = None
         if "fa4" in want:
             fa4_wanted = True
             if fa4_ok:  # else: the note under the table says why its column is empty
-                t4, fa4_spot = fa4_peer(row, x, out, notes)
+                t4, fa4_spot, fa4_run = fa4_peer(row, x, out, notes)
                 if t4 is not None:
                     peer["fa4"] = t4
         run = lambda: ours(x, out)  # noqa: E731
@@ -538,6 +564,9 @@ def main():
             t = time_ms(run, ARGS.iters)
         ours.check()
         tf = flops / t / 1e9
+        if ARGS.power:
+            power_rows.append(power_line(name, flops, [("bsattn", run, t), ("FlashAttention-4", fa4_run, peer.get("fa4"))]))
+            print(power_rows[-1], flush=True)
         dkey = (row.S, row.D, row.bq, row.bk, row.hs, row.hq)
         if kind == "random" and d == 1.0:
             dense_time[dkey] = t
@@ -562,6 +591,8 @@ def main():
         torch.cuda.empty_cache()
 
     table = table_of(rows, dense_time, fa4_note if fa4_wanted and not fa4_ok else None)
+    if power_rows:
+        table += "\n\n" + POWER_HEADER + "\n".join(power_rows)
     print(table)
     if ARGS.out:
         with open(ARGS.out, "w") as f:

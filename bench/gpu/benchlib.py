@@ -152,6 +152,68 @@ def timed(fns, iters, warmup=3, queue_us=0.0):
     return statistics.median(times)
 
 
+_NVSMI = {}
+
+
+def _nvsmi_fields():
+    """The query fields nvidia-smi takes here (drivers before 535 name the cap reasons
+    clocks_throttle_reasons), or None."""
+    import subprocess
+    if "fields" not in _NVSMI:
+        _NVSMI["fields"] = None
+        for reason in ("clocks_event_reasons", "clocks_throttle_reasons"):
+            fields = f"clocks.sm,power.draw,{reason}.sw_power_cap,temperature.gpu"
+            r = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                _NVSMI["fields"] = fields
+                break
+    return _NVSMI["fields"]
+
+
+def power_profile(fn, ms_per_call, seconds=2.0, sample_ms=20):
+    """The GPU's SM clock (MHz), board power (W), share of samples capped by the power limit and
+    temperature (C), medians of nvidia-smi samples over the second half of `seconds` of
+    back-to-back calls of fn (the first half lets clocks and power settle). None where nvidia-smi
+    is missing or refuses a field. Back-to-back timings of long kernels run at the clocks the
+    power limit leaves, so two kernels of equal work can time apart by their energy per FLOP."""
+    import shutil
+    import subprocess
+    if not shutil.which("nvidia-smi") or not _nvsmi_fields():
+        return None
+    calls = max(4, int(seconds * 1e3 / max(ms_per_call, 1e-3)))
+    fn()
+    torch.cuda.synchronize()
+    dev = torch.cuda.current_device()
+    cmd = ["nvidia-smi", "-i", str(dev), f"--query-gpu={_nvsmi_fields()}", "--format=csv,noheader,nounits",
+           f"-lms={sample_ms}"]
+    mon = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    t0 = time.monotonic()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    span = time.monotonic() - t0
+    mon.terminate()
+    out, _ = mon.communicate()
+    rows = [r.split(", ") for r in out.strip().splitlines()]
+    rows = [r for r in rows if len(r) == 4]
+    rows = rows[len(rows) // 2:]  # the settled half
+    if not rows:
+        return None
+
+    def med(i, f=float):
+        vals = []
+        for r in rows:
+            try:
+                vals.append(f(r[i]))
+            except ValueError:
+                pass
+        return statistics.median(vals) if vals else float("nan")
+    capped = sum(1 for r in rows if r[2].strip() == "Active") / len(rows)
+    return dict(mhz=med(0), watts=med(1), capped=capped, temp=med(3), samples=len(rows), span_s=span,
+                ms=span * 1e3 / calls)
+
+
 def rel_err(a, b):
     """Relative L2 error of a against b (float32)."""
     a, b = a.float(), b.float()
