@@ -18,6 +18,12 @@ dense); "all" both. --peers all|core|none, or a comma list of flex,cudnn,fa4 (th
 row). FlashAttention-4 (`flash_attn.cute`) is imported lazily: where it is not importable its
 column stays empty and the table says why.
 
+--settle S: S seconds of back-to-back calls before each timing (bsattn and peers alike). The
+default times 20 calls right after the row's untimed checks, when the GPU has idled: under the
+700 W limit an H100's clocks then start high and fall within tens of milliseconds, which favours
+kernels that draw more power per clock (bench/RESULTS.md, 2026-12-06 16:30). --power reports the
+settled clocks, board power and GFLOP per joule.
+
 --compare LIB...: also time other builds of the library (kernel variants) on the same inputs,
 interleaved with the main one in rounds (order reversed every other round), so that clock and
 thermal drift hit every variant alike.
@@ -50,6 +56,9 @@ P.add_argument("--only", default="", help="comma-separated config name prefixes"
 P.add_argument("--out", default="", help="write the result table (markdown) here")
 P.add_argument("--compare", nargs="+", default=[], help="other library builds timed against --lib, interleaved")
 P.add_argument("--rounds", type=int, default=5, help="interleaved rounds per configuration with --compare")
+P.add_argument("--settle", type=float, default=0.0,
+               help="seconds of back-to-back calls before each timing (0: three calls), so that every kernel is "
+                    "timed at the clocks the power limit settles to rather than just after an idle phase")
 P.add_argument("--power", action="store_true",
                help="after timing, run bsattn and FlashAttention-4 back to back for 2 s each and report the SM "
                     "clock, board power and power-cap share nvidia-smi samples (the 'power' table)")
@@ -171,6 +180,12 @@ def time_ms(fn, iters):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    if ARGS.settle > 0:  # back to back until the power limit has set the clocks
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < ARGS.settle:
+            for _ in range(8):
+                fn()
+            torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
