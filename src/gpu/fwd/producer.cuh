@@ -264,19 +264,35 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
       if (lane == 0) Barrier::arrive(&full[stage]);
     }
   };
-  for (int i = 0; i < tile.exact; ++i) {
+  // Route i's boxes: this lane's page and token, and the box holding the sequence end (-1: none).
+  struct RouteBoxes {
+    int k0, n_valid, page, token, tail_box;
+  };
+  const auto locate = [&](int i) {
+    RouteBoxes r;
+    r.k0 = route_index(tile, i) * p.tile_n;
+    r.n_valid = min(p.tile_n, tile.si.seqlen_kv - r.k0);
+    const int rows = lane < boxes ? max(0, min(box_rows, r.n_valid - r0)) : 0;
+    r.page = rows == box_rows ? table[(r.k0 + r0) / page_size] : desc.kv_pages;
+    r.token = (r.k0 + r0) % page_size;
+    r.tail_box = __ffs(__ballot_sync(0xffffffffu, rows > 0 && rows < box_rows)) - 1;
+    return r;
+  };
+  const auto load_k = [&](int i, const RouteBoxes& r) {
     const PipelineSlot<kStages> slot(tile.first + i);
-    const int stage = slot.stage, phase = slot.phase;
-    const int k0 = route_index(tile, i) * p.tile_n;
-    const int n_valid = min(p.tile_n, tile.si.seqlen_kv - k0);
-    const int rows = lane < boxes ? max(0, min(box_rows, n_valid - r0)) : 0;
-    const int page = rows == box_rows ? table[(k0 + r0) / page_size] : desc.kv_pages;
-    const int token = (k0 + r0) % page_size;
-    const int tail_box = __ffs(__ballot_sync(0xffffffffu, rows > 0 && rows < box_rows)) - 1;
     load(std::false_type{}, st.k, &desc.k, a.k, a.k_head_stride, a.k_batch_stride, a.k_token_stride, bars.full_k,
-         bars.empty_k, stage, phase, k0, n_valid, page, token, tail_box);
+         bars.empty_k, slot.stage, slot.phase, r.k0, r.n_valid, r.page, r.token, r.tail_box);
+  };
+  // K runs one route ahead of V (load_tile_routes says why).
+  RouteBoxes now = tile.exact > 0 ? locate(0) : RouteBoxes{};
+  if (tile.exact > 0) load_k(0, now);
+  for (int i = 0; i < tile.exact; ++i) {
+    const RouteBoxes ahead = i + 1 < tile.exact ? locate(i + 1) : now;
+    if (i + 1 < tile.exact) load_k(i + 1, ahead);
+    const PipelineSlot<kStages> slot(tile.first + i);
     load(std::true_type{}, st.v, &desc.v, a.v, a.v_head_stride, a.v_batch_stride, a.v_token_stride, bars.full_v,
-         bars.empty_v, stage, phase, k0, n_valid, page, token, tail_box);
+         bars.empty_v, slot.stage, slot.phase, now.k0, now.n_valid, now.page, now.token, now.tail_box);
+    now = ahead;
   }
 }
 
@@ -303,20 +319,41 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
     // first token (zeros: a stale stage could hold NaN, which a zero P would still spread).
     const int tok0 = p.varlen_kv ? static_cast<int>(tile.si.kv_base) : 0;
     const int bc = p.varlen_kv ? 0 : tile.b;
-    for (int i = 0; i < tile.count; ++i) {
-      const PipelineSlot<kStages> slot(tile.first + i);
-      const int stage = slot.stage, phase = slot.phase;
-      const bool window = kProxy && i >= tile.exact;
+    // Step i's rows: its route's first token (route pairs: and the second route's), or a window's
+    // first summary row, and the map's batch coordinate.
+    struct StepRows {
+      int row, row2, batch;
+      bool window;
+    };
+    const auto locate = [&](int i) {
+      StepRows s;
+      s.window = kProxy && i >= tile.exact;
       const int r = i * T::kRoutesPerStep;  // the step's first route
-      const int row = window ? proxy_window_row<T::kBlockN>(tile, i) : tok0 + route_index(tile, r) * p.tile_n;
-      const int row2 = T::kRoutesPerStep == 1 ? 0
-                       : r + 1 < tile.exact   ? tok0 + route_index(tile, r + 1) * p.tile_n
-                                              : -T::kRouteN;
-      const int batch = window ? tile.b : bc;
-      tma_stage_load<T>(st.k, window ? &desc.k_summary : &desc.k, bars.full_k, bars.empty_k, stage, phase, row, hkv,
-                        batch, row2);
-      tma_stage_load<T>(st.v, window ? &desc.v_summary : &desc.v, bars.full_v, bars.empty_v, stage, phase, row, hkv,
-                        batch, row2);
+      s.row = s.window ? proxy_window_row<T::kBlockN>(tile, i) : tok0 + route_index(tile, r) * p.tile_n;
+      s.row2 = T::kRoutesPerStep == 1 ? 0
+               : r + 1 < tile.exact   ? tok0 + route_index(tile, r + 1) * p.tile_n
+                                      : -T::kRouteN;
+      s.batch = s.window ? tile.b : bc;
+      return s;
+    };
+    const auto load_k = [&](int i, const StepRows& s) {
+      const PipelineSlot<kStages> slot(tile.first + i);
+      tma_stage_load<T>(st.k, s.window ? &desc.k_summary : &desc.k, bars.full_k, bars.empty_k, slot.stage, slot.phase,
+                        s.row, hkv, s.batch, s.row2);
+    };
+    // K runs one step ahead of V: K(i + 1), then V(i), the order the consumers take them in (S of
+    // step i + 1 is issued before PV of step i). K(i + 1)'s stage frees after S(i - 1), V(i)'s only
+    // after PV(i - 2); in K(i), V(i) order K(i + 1) waited behind V(i)'s later stage, and with two
+    // stages it reached the consumers late.
+    StepRows now = tile.count > 0 ? locate(0) : StepRows{};
+    if (tile.count > 0) load_k(0, now);
+    for (int i = 0; i < tile.count; ++i) {
+      const StepRows ahead = i + 1 < tile.count ? locate(i + 1) : now;
+      if (i + 1 < tile.count) load_k(i + 1, ahead);
+      const PipelineSlot<kStages> slot(tile.first + i);
+      tma_stage_load<T>(st.v, now.window ? &desc.v_summary : &desc.v, bars.full_v, bars.empty_v, slot.stage,
+                        slot.phase, now.row, hkv, now.batch, now.row2);
+      now = ahead;
     }
   } else {
     // One operand of a route into `stage`; each thread arrives once its own copies have landed.
