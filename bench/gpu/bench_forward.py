@@ -18,11 +18,15 @@ dense); "all" both. --peers all|core|none, or a comma list of flex,cudnn,fa4 (th
 row). FlashAttention-4 (`flash_attn.cute`) is imported lazily: where it is not importable its
 column stays empty and the table says why.
 
---settle S: S seconds of back-to-back calls before each timing (bsattn and peers alike). The
-default times 20 calls right after the row's untimed checks, when the GPU has idled: under the
-700 W limit an H100's clocks then start high and fall within tens of milliseconds, which favours
-kernels that draw more power per clock (bench/RESULTS.md, 2026-12-06 16:30). --power reports the
-settled clocks, board power and GFLOP per joule.
+Timing (bsattn and every peer alike; bench/RESULTS.md, 2026-12-06 16:30-17:00): after 3 warm-up
+calls and --settle seconds (default 1) of back-to-back calls, --iters calls are queued behind a
+GPU sleep and run back to back with an event between each two; the median of those per-call GPU
+times. Under the 700 W limit an H100's clocks are high for the first tens of milliseconds after an
+idle phase and then fall, more for kernels that draw more power per clock; and an event pair
+around a call on an idle GPU also holds the host's launch path (FlashAttention-4's ~100-250 us
+per call from Python). The method until 2026-12-06 (a sync after each call, no settling) had
+both in it: --timing synced --settle 0. --power adds each kernel's settled SM clock, board power
+and GFLOP per joule over 2 s back to back.
 
 --compare LIB...: also time other builds of the library (kernel variants) on the same inputs,
 interleaved with the main one in rounds (order reversed every other round), so that clock and
@@ -56,9 +60,13 @@ P.add_argument("--only", default="", help="comma-separated config name prefixes"
 P.add_argument("--out", default="", help="write the result table (markdown) here")
 P.add_argument("--compare", nargs="+", default=[], help="other library builds timed against --lib, interleaved")
 P.add_argument("--rounds", type=int, default=5, help="interleaved rounds per configuration with --compare")
-P.add_argument("--settle", type=float, default=0.0,
-               help="seconds of back-to-back calls before each timing (0: three calls), so that every kernel is "
-                    "timed at the clocks the power limit settles to rather than just after an idle phase")
+P.add_argument("--timing", default="queued", choices=["queued", "synced"],
+               help="queued: the timed calls run back to back behind a GPU sleep, an event between each two "
+                    "(GPU time per call, the host's launch path hidden); synced: an event pair around each call "
+                    "and a sync after it (the method until 2026-12-06)")
+P.add_argument("--settle", type=float, default=1.0,
+               help="seconds of back-to-back calls before each timing (0: none; --compare rounds never settle), "
+                    "so that every kernel is timed at the clocks the power limit settles to")
 P.add_argument("--power", action="store_true",
                help="after timing, run bsattn and FlashAttention-4 back to back for 2 s each and report the SM "
                     "clock, board power and power-cap share nvidia-smi samples (the 'power' table)")
@@ -176,16 +184,19 @@ def ours_for(row, lib=LIBS[0]):
     return OursVarlen(row, lib) if row.kind == "docs" else Ours(row, lib)
 
 
-def time_ms(fn, iters):
+def time_ms(fn, iters, settle=None):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    if ARGS.settle > 0:  # back to back until the power limit has set the clocks
+    settle = ARGS.settle if settle is None else settle
+    if settle > 0:  # back to back until the power limit has set the clocks
         t0 = time.monotonic()
-        while time.monotonic() - t0 < ARGS.settle:
+        while time.monotonic() - t0 < settle:
             for _ in range(8):
                 fn()
             torch.cuda.synchronize()
+    if ARGS.timing == "queued":
+        return benchlib.timed_back_to_back(fn, iters)
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -371,7 +382,7 @@ def compare_variants(row, x, ref, out):
         order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))  # ABBA: no order bias
         for j in order:
             o, res = runs[j]
-            times[j].append(time_ms(lambda: o(x, res), max(5, ARGS.iters // ARGS.rounds)))
+            times[j].append(time_ms(lambda: o(x, res), max(5, ARGS.iters // ARGS.rounds), settle=0))
     med = [statistics.median(ts) for ts in times]
     return med[0], med[1:]
 

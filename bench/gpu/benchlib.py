@@ -152,6 +152,24 @@ def timed(fns, iters, warmup=3, queue_us=0.0):
     return statistics.median(times)
 
 
+def timed_back_to_back(fn, iters, host_us=300.0):
+    """Median ms per call of `iters` calls run back to back on the GPU: all are queued behind a
+    GPU sleep long enough for the host to issue them (host_us per call), with an event between
+    consecutive calls, so each timing is one call's GPU time with the GPU never idle in between:
+    neither the host's launch path (a Python peer's ~100-250 us) nor the clocks' recovery during
+    a sync enters it. Falls back to no sleep where torch.cuda._sleep is missing."""
+    cycles = int(iters * host_us * _cycles_per_us()) if queue_ahead_available() and _cycles_per_us() else 0
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    if cycles:
+        torch.cuda._sleep(cycles)
+    events[0].record()
+    for i in range(iters):
+        fn()
+        events[i + 1].record()
+    events[-1].synchronize()
+    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(iters))
+
+
 _NVSMI = {}
 
 

@@ -5,7 +5,8 @@
 #   STEP=full   full build (build-gpu), then device_check.sh's tests, validation, sanitize, sass and
 #               variants steps (the cp.async producer's tests; no timing)
 #   STEP=peers  issue 14's forward rows and the backward rows against FlashAttention-4 in the same
-#               process (needs build-gpu, and `bash .peers/a/fa4-peer.sh stage .peers` in the call before)
+#               process (needs build-gpu, and `bash .peers/a/fa4-peer.sh stage .peers` in the call before);
+#               the forward rows with --power (settled clocks, power, back-to-back TF/s)
 #   STEP=ab     bench libraries timed interleaved on issue 14's rows (device_check.sh's compare step):
 #               LIBS="base.so[.xz] v1.so[.xz] ..." (the first is the base; a copy of it is timed last,
 #               as the A/A), ONLY (row name prefixes, comma-separated), ROUNDS
@@ -35,7 +36,7 @@ peers)
   source .peers/b/fa4-peer.sh install .peers || exit 1
   LIB=build-gpu/bench/gpu/libbsattn_bench.so
   log "forward, issue 14's rows"
-  PYTHONUNBUFFERED=1 timeout 420 python3 bench/gpu/bench_forward.py --lib "$LIB" --rows issue14 --peers fa4,cudnn \
+  PYTHONUNBUFFERED=1 timeout 430 python3 bench/gpu/bench_forward.py --lib "$LIB" --rows issue14 --peers fa4,cudnn --power \
     --out "$OUT/forward.md" > "$OUT/forward.log" 2>&1
   echo "forward rc=$?"; cat "$OUT/forward.md"
   log "backward"
