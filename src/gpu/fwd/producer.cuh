@@ -200,6 +200,26 @@ __device__ __forceinline__ void cp_async_stage_load(typename T::SharedStorage& s
   cp_async_arrive_noinc(&full[stage]);
 }
 
+// Issues a tile's `steps` pipeline steps with K one step ahead of V: K(0), then K(i + 1) before
+// V(i), the order the consumers take them in (S of step i + 1 is issued before PV of step i).
+// K(i + 1)'s stage frees after S(i - 1), V(i)'s only after PV(i - 2): in K(i), V(i) order K(i + 1)
+// waited behind V(i)'s later stage, and with two stages reached the consumers late (on the paged
+// path also behind the next route's record and block-table reads). locate(i) gives what step i's
+// copies need, read one step ahead of its V; load_k / load_v(i, located) wait and issue.
+template <class Locate, class LoadK, class LoadV>
+__device__ __forceinline__ void stream_k_ahead_of_v(int steps, const Locate& locate, const LoadK& load_k,
+                                                    const LoadV& load_v) {
+  if (steps <= 0) return;
+  auto now = locate(0);
+  load_k(0, now);
+  for (int i = 0; i < steps; ++i) {
+    const auto ahead = i + 1 < steps ? locate(i + 1) : now;
+    if (i + 1 < steps) load_k(i + 1, ahead);
+    load_v(i, now);
+    now = ahead;
+  }
+}
+
 // Paged K/V by TMA, run by the loader warp (ptid = lane). A tile is kBlockN / page_box_rows boxes,
 // each inside one page; lane g copies box g from the page the block table gives (lanes read their
 // entries in parallel). A box past the sequence end reads page kv_pages, past the cache: TMA fills
@@ -283,17 +303,12 @@ __device__ __forceinline__ void load_paged_routes(const Tile& tile, const Attent
     load(std::false_type{}, st.k, &desc.k, a.k, a.k_head_stride, a.k_batch_stride, a.k_token_stride, bars.full_k,
          bars.empty_k, slot.stage, slot.phase, r.k0, r.n_valid, r.page, r.token, r.tail_box);
   };
-  // K runs one route ahead of V (load_tile_routes says why).
-  RouteBoxes now = tile.exact > 0 ? locate(0) : RouteBoxes{};
-  if (tile.exact > 0) load_k(0, now);
-  for (int i = 0; i < tile.exact; ++i) {
-    const RouteBoxes ahead = i + 1 < tile.exact ? locate(i + 1) : now;
-    if (i + 1 < tile.exact) load_k(i + 1, ahead);
+  const auto load_v = [&](int i, const RouteBoxes& r) {
     const PipelineSlot<kStages> slot(tile.first + i);
     load(std::true_type{}, st.v, &desc.v, a.v, a.v_head_stride, a.v_batch_stride, a.v_token_stride, bars.full_v,
-         bars.empty_v, slot.stage, slot.phase, now.k0, now.n_valid, now.page, now.token, now.tail_box);
-    now = ahead;
-  }
+         bars.empty_v, slot.stage, slot.phase, r.k0, r.n_valid, r.page, r.token, r.tail_box);
+  };
+  stream_k_ahead_of_v(tile.exact, locate, load_k, load_v);
 }
 
 // Streams the K and V tiles of one work tile's exact routes into the stages, from the tile's
@@ -341,20 +356,12 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
       tma_stage_load<T>(st.k, s.window ? &desc.k_summary : &desc.k, bars.full_k, bars.empty_k, slot.stage, slot.phase,
                         s.row, hkv, s.batch, s.row2);
     };
-    // K runs one step ahead of V: K(i + 1), then V(i), the order the consumers take them in (S of
-    // step i + 1 is issued before PV of step i). K(i + 1)'s stage frees after S(i - 1), V(i)'s only
-    // after PV(i - 2); in K(i), V(i) order K(i + 1) waited behind V(i)'s later stage, and with two
-    // stages it reached the consumers late.
-    StepRows now = tile.count > 0 ? locate(0) : StepRows{};
-    if (tile.count > 0) load_k(0, now);
-    for (int i = 0; i < tile.count; ++i) {
-      const StepRows ahead = i + 1 < tile.count ? locate(i + 1) : now;
-      if (i + 1 < tile.count) load_k(i + 1, ahead);
+    const auto load_v = [&](int i, const StepRows& s) {
       const PipelineSlot<kStages> slot(tile.first + i);
-      tma_stage_load<T>(st.v, now.window ? &desc.v_summary : &desc.v, bars.full_v, bars.empty_v, slot.stage,
-                        slot.phase, now.row, hkv, now.batch, now.row2);
-      now = ahead;
-    }
+      tma_stage_load<T>(st.v, s.window ? &desc.v_summary : &desc.v, bars.full_v, bars.empty_v, slot.stage, slot.phase,
+                        s.row, hkv, s.batch, s.row2);
+    };
+    stream_k_ahead_of_v(tile.count, locate, load_k, load_v);
   } else {
     // One operand of a route into `stage`; each thread arrives once its own copies have landed.
     const auto load = [&](auto is_v, const auto& rows, std::uint64_t* full, std::uint64_t* empty, int stage,
