@@ -23,7 +23,9 @@ gradients against torch autograd of a float32 reference, which also validates (2
 float32 reference used at full size: dQ of the query heads of KV heads 0 and Hkv - 1, dK and dV of
 those KV heads (summed over their groups), computed from scratch (its own O and LSE); every engine
 (bsattn, Flex, FA4) is checked against it, relative L2 < 2e-2 per gradient, and a mismatch leaves
-that engine untimed. Times: median of --iters (>= 20) CUDA-event timings after warm-up.
+that engine untimed. Times: median of --iters (>= 20) CUDA-event timings after warm-up and 1 s
+of back-to-back calls, the timed calls queued back to back (--timing, --settle; as
+bench_forward.py, whose docstring says why).
 --budget: peers (whose first call compiles: seconds to tens of seconds each) are not started
 once the run is that many seconds old; bsattn runs every row first, then the peers by priority
 (FA4 causal, Flex and FA4 at 0.25, Flex causal, the other densities, D 64, D 256).
@@ -61,6 +63,11 @@ P.add_argument("--peers", default="all", choices=["all", "none", "fa4", "flex"])
 P.add_argument("--heads", default="kv", choices=["kv", "q", "1"], help="random patterns per KV head, query head, or one")
 P.add_argument("--seqlen", type=int, default=16384)
 P.add_argument("--iters", type=int, default=20)
+P.add_argument("--timing", default="queued", choices=["queued", "synced"],
+               help="queued: after --settle seconds of back-to-back calls, the timed calls run back to back "
+                    "(benchlib.timed_settled: GPU time per call, the host's autograd and launch path hidden); "
+                    "synced: an event pair and a sync around each call (the method until 2026-12-06)")
+P.add_argument("--settle", type=float, default=1.0, help="queued timing: seconds of back-to-back calls first")
 P.add_argument("--budget", type=float, default=50.0, help="seconds after which no peer is started (0: no limit)")
 P.add_argument("--deterministic", action="store_true", help="bsattn's deterministic backward")
 P.add_argument("--skip-small-check", action="store_true")
@@ -233,7 +240,7 @@ def compare_variants(r, c, refs, ours):
     for rnd in range(ARGS.rounds):
         order = range(len(runs)) if rnd % 2 == 0 else reversed(range(len(runs)))  # ABBA: no order bias
         for j in order:
-            times[j].append(benchlib.timed(runs[j], max(5, ARGS.iters // ARGS.rounds)))
+            times[j].append(time_ms(runs[j], max(5, ARGS.iters // ARGS.rounds), settle=0))
     med = [sorted(t)[len(t) // 2] for t in times]
     for j in range(1, len(runs)):
         r.notes.append(f"variant{j} {med[j]:.3f} ms ({med[j] / med[0]:.3f}x the --lib build, {med[0]:.3f} ms interleaved)")
@@ -320,6 +327,13 @@ def flex_grads_fn(row, c, leaves):
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
 
+def time_ms(fn, iters, settle=None):
+    """Median ms per call by --timing (bsattn, its variants and the peers alike)."""
+    if ARGS.timing == "synced":
+        return benchlib.timed(fn, iters)
+    return benchlib.timed_settled(fn, iters, ARGS.settle if settle is None else settle)
+
+
 def peer_row(row, peer, c, refs, ours_grads):
     """Checks and times one peer's backward; row.res[peer] = (ms, errs) or a note."""
     variants = ["full", "partial"] if peer == "fa4" and c.kind == "random" and not bool(c.blk.all()) else [None]
@@ -341,7 +355,7 @@ def peer_row(row, peer, c, refs, ours_grads):
             last = f"mismatch vs reference {max(errs):.1e} (vs bsattn {vs_ours:.1e})"
             print(f"  {peer} on {row.name}: {last}", flush=True)
             continue
-        ms = benchlib.timed(fn, ARGS.iters)
+        ms = time_ms(fn, ARGS.iters)
         row.res[peer] = (ms, errs)
         if variant == "partial":
             row.notes.append("FA4 given its lists as partial (mask) blocks")
@@ -417,7 +431,7 @@ def main():
             errs = grad_errors(c, refs[r.name], ours.dq, ours.dk, ours.dv)
             grads[r.name] = (ours.dq, ours.dk, ours.dv)
             if max(errs) < TOL and all(torch.isfinite(t).all().item() for t in grads[r.name]):
-                ms = benchlib.timed(ours, ARGS.iters)
+                ms = time_ms(ours, ARGS.iters)
                 ours.plan.check()
                 r.res["bsattn"] = (ms, errs)
                 if len(LIBS) > 1:

@@ -65,8 +65,8 @@ P.add_argument("--timing", default="queued", choices=["queued", "synced"],
                     "(GPU time per call, the host's launch path hidden); synced: an event pair around each call "
                     "and a sync after it (the method until 2026-12-06)")
 P.add_argument("--settle", type=float, default=1.0,
-               help="seconds of back-to-back calls before each timing (0: none; --compare rounds never settle), "
-                    "so that every kernel is timed at the clocks the power limit settles to")
+               help="queued timing: seconds of back-to-back calls before each timing (0: none; --compare rounds "
+                    "never settle), so that every kernel is timed at the clocks the power limit settles to")
 P.add_argument("--power", action="store_true",
                help="after timing, run bsattn and FlashAttention-4 back to back for 2 s each and report the SM "
                     "clock, board power and power-cap share nvidia-smi samples (the 'power' table)")
@@ -185,18 +185,12 @@ def ours_for(row, lib=LIBS[0]):
 
 
 def time_ms(fn, iters, settle=None):
+    settle = ARGS.settle if settle is None else settle
+    if ARGS.timing == "queued":
+        return benchlib.timed_settled(fn, iters, settle)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    settle = ARGS.settle if settle is None else settle
-    if settle > 0:  # back to back until the power limit has set the clocks
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < settle:
-            for _ in range(8):
-                fn()
-            torch.cuda.synchronize()
-    if ARGS.timing == "queued":
-        return benchlib.timed_back_to_back(fn, iters)
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

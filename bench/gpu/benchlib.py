@@ -170,6 +170,23 @@ def timed_back_to_back(fn, iters, host_us=300.0):
     return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(iters))
 
 
+def timed_settled(fn, iters, settle_s=1.0, warmup=3):
+    """timed_back_to_back after `warmup` calls and `settle_s` seconds of back-to-back calls, so
+    that the GPU runs at the clocks its power limit settles to: under the H100's 700 W limit the
+    clocks are high for the first tens of milliseconds after an idle phase (a peer's checks, a
+    compile) and then fall, more for kernels that draw more power per clock (bench/RESULTS.md,
+    2026-12-06 16:30-17:00)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < settle_s:
+        for _ in range(8):
+            fn()
+        torch.cuda.synchronize()
+    return timed_back_to_back(fn, iters)
+
+
 _NVSMI = {}
 
 
