@@ -76,7 +76,8 @@ paged-ab)
   log "paged A/B: $LIBS, ${ROUNDS:-2} rounds"
   for r in $(seq "${ROUNDS:-2}"); do
     for f in ${LIBS:?LIBS: the bench libraries to compare}; do
-      name=$(basename "${f%%.*}")
+      name=$(basename "$f")
+      name=${name%%.*}
       case "$f" in *.xz) xz -dc "$f" > "/tmp/$name.so" ;; *) cp "$f" "/tmp/$name.so" ;; esac
       PYTHONUNBUFFERED=1 timeout 60 python3 bench/gpu/bench_paged.py --lib "/tmp/$name.so" --out "$OUT/paged-$name-$r.md" \
         > "$OUT/paged-$name-$r.log" 2>&1
