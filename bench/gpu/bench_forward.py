@@ -25,7 +25,7 @@ times. Under the 700 W limit an H100's clocks are high for the first tens of mil
 idle phase and then fall, more for kernels that draw more power per clock; and an event pair
 around a call on an idle GPU also holds the host's launch path (FlashAttention-4's ~100-250 us
 per call from Python). The method until 2026-12-06 (a sync after each call, no settling) had
-both in it: --timing synced --settle 0. --power adds each kernel's settled SM clock, board power
+both in it: --timing synced. --power adds each kernel's settled SM clock, board power
 and GFLOP per joule over 2 s back to back.
 
 --compare LIB...: also time other builds of the library (kernel variants) on the same inputs,
