@@ -329,9 +329,7 @@ def flex_grads_fn(row, c, leaves):
 
 def time_ms(fn, iters, settle=None):
     """Median ms per call by --timing (bsattn, its variants and the peers alike)."""
-    if ARGS.timing == "synced":
-        return benchlib.timed(fn, iters)
-    return benchlib.timed_settled(fn, iters, ARGS.settle if settle is None else settle)
+    return benchlib.timed_by(ARGS.timing, fn, iters, ARGS.settle if settle is None else settle)
 
 
 def peer_row(row, peer, c, refs, ours_grads):

@@ -185,21 +185,7 @@ def ours_for(row, lib=LIBS[0]):
 
 
 def time_ms(fn, iters, settle=None):
-    settle = ARGS.settle if settle is None else settle
-    if ARGS.timing == "queued":
-        return benchlib.timed_settled(fn, iters, settle)
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return benchlib.timed_by(ARGS.timing, fn, iters, ARGS.settle if settle is None else settle)
 
 
 def rel_err(a, b):
@@ -439,8 +425,8 @@ def fmt_peer(r, pn):
 
 def fa4_peer(row, x, out, notes):
     """FlashAttention-4 on the row's inputs and pattern: (median ms or None, rel L2 vs the
-    reference, the timed callable or None). Checked against bsattn's output `out` and the reference first; a failure or a
-    mismatch goes into `notes` and leaves the row untimed."""
+    reference, the timed callable or None). Checked against bsattn's output `out` and the
+    reference first; a failure or a mismatch goes into `notes` and leaves the row untimed."""
     try:
         f4 = peer_fa4.runner(row.kind, x.q, x.k, x.v, blk=x.blk, bq=row.bq, bk=row.bk, window=W, cu_seqlens=x.cu,
                              max_seqlen=max(row.docs) if row.docs else None)

@@ -187,6 +187,12 @@ def timed_settled(fn, iters, settle_s=1.0, warmup=3):
     return timed_back_to_back(fn, iters)
 
 
+def timed_by(timing, fn, iters, settle_s=1.0):
+    """The benchmarks' --timing: "queued" (timed_settled) or "synced" (timed: an event pair and a
+    sync around each call, the method until 2026-12-06)."""
+    return timed(fn, iters) if timing == "synced" else timed_settled(fn, iters, settle_s)
+
+
 _NVSMI = {}
 
 
