@@ -3,13 +3,15 @@
 and once scattered over the pages of a cache [num_pages, page_size, Hkv, D] through a shuffled
 block table, attended by bsattn's forward kernel (dense blocks, causal mask aligned bottom-right).
 Decode shapes run through the same (prefill) kernel until the decode kernel exists. Every paged
-result is first checked against the contiguous one; times are the median of >= 20
-CUDA-event timings after warm-up, each queued behind --queue-us of GPU sleep so that the events
-bracket GPU execution only (benchlib.timed): without it the host's side of each call fell inside
-the events, and the S = 8191 rows read 1.07-1.12x where the kernels took 1.04-1.06x
-(bench/RESULTS.md, 2026-12-04 18:5x-19:1x). bf16, Hq 32 / Hkv 8, D 128.
+result is first checked against the contiguous one; times are the median of >= 20 CUDA-event
+timings. --timing queued (the default, as the forward and backward benchmarks since 2026-12-06):
+after 1 s of back-to-back calls, the timed calls queued back to back behind a GPU sleep
+(benchlib.timed_settled), so the clocks are those the 700 W limit settles to and the host's launch
+path is outside the events. --timing synced: each call queued behind --queue-us of GPU sleep and
+synced after (benchlib.timed, the method until 2026-12-06): the GPU idles between calls and its
+clocks start high. bf16, Hq 32 / Hkv 8, D 128.
 
-  python3 bench/gpu/bench_paged.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--out paged.md] [--queue-us 2000]
+  python3 bench/gpu/bench_paged.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--out paged.md] [--timing synced]
 """
 import argparse
 import os
@@ -18,13 +20,16 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import load, ok, page, Plan, ptr, stream, timed  # noqa: E402
+from benchlib import load, ok, page, Plan, ptr, stream, timed, timed_settled  # noqa: E402
 
 P = argparse.ArgumentParser()
 P.add_argument("--lib", required=True)
 P.add_argument("--iters", type=int, default=20)
 P.add_argument("--out", default="")
-P.add_argument("--queue-us", type=float, default=2000.0, help="GPU sleep queued before each timed call (0: none)")
+P.add_argument("--timing", default="queued", choices=["queued", "synced"],
+               help="queued: settled, back to back (benchlib.timed_settled); synced: one call at a time")
+P.add_argument("--queue-us", type=float, default=2000.0,
+               help="--timing synced: GPU sleep queued before each timed call (0: none)")
 ARGS = P.parse_args()
 
 LIB = load(ARGS.lib, need=("bsattn_bench_plan_kv", "bsattn_bench_run_kv"))
@@ -46,7 +51,10 @@ def run(batch, sq, skv, page_size, q, k, v, out, gen):
     call()
     torch.cuda.synchronize()
     result = out.clone()
-    ms = timed(call, ARGS.iters, queue_us=ARGS.queue_us)
+    if ARGS.timing == "synced":
+        ms = timed(call, ARGS.iters, queue_us=ARGS.queue_us)
+    else:
+        ms = timed_settled(call, ARGS.iters)
     return ms, result
 
 

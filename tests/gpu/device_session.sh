@@ -79,7 +79,7 @@ paged-ab)
       name=$(basename "$f")
       name=${name%%.*}
       case "$f" in *.xz) xz -dc "$f" > "/tmp/$name.so" ;; *) cp "$f" "/tmp/$name.so" ;; esac
-      PYTHONUNBUFFERED=1 timeout 60 python3 bench/gpu/bench_paged.py --lib "/tmp/$name.so" --out "$OUT/paged-$name-$r.md" \
+      PYTHONUNBUFFERED=1 timeout 120 python3 bench/gpu/bench_paged.py --lib "/tmp/$name.so" --out "$OUT/paged-$name-$r.md" \
         > "$OUT/paged-$name-$r.log" 2>&1
       echo "== $name, round $r (rc=$?): paged / contiguous"
       grep -E "paged, pages of (16|64)" "$OUT/paged-$name-$r.md" | awk -F'|' '{print $2, $3, $7}'
