@@ -196,8 +196,8 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
     // Proxy kernels: the proxy steps' softmax from their candidate records (proxy.cuh).
     int proxy_cursor = tile.exact;  // the first proxy record not in an earlier window
     auto proxy_step_softmax = [&](const ProxyRecords<kBlockN>& records, int step, float (&rescale)[kRows]) {
-      proxy_softmax<kBlockN>(s_rc, c_rc, tile, step, p.block_kv, tile_row0, p.unit_m, records, proxy_cursor, softmax,
-                             rescale);
+      proxy_softmax<kBlockN, T::kRoutesPerStep>(s_rc, c_rc, tile, step, p.block_kv, tile_row0, p.unit_m, records,
+                                                 proxy_cursor, softmax, rescale);
     };
     const auto proxy_records = [&](int) { return ProxyRecords<kBlockN>(tile, proxy_cursor); };
 
@@ -223,7 +223,7 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
       release_k_or_q(Slot(base), count > 1);
       float rescale[kRows];  // of the last softmax: O takes it just before the next PV
       // Steps [0, exact_steps) are exact routes, the rest proxy windows (proxy kernels).
-      const int exact_steps = kProxy ? tile.exact : count;
+      const int exact_steps = kProxy ? exact_step_count<T::kRoutesPerStep>(tile) : count;
       if (!kProxy || exact_steps > 0) exact_softmax(exact_record(0), 0, rescale);
       else if constexpr (kProxy) proxy_step_softmax(proxy_records(0), 0, rescale);
       convert_p();

@@ -65,7 +65,8 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
   // Two consumer warpgroups on routes of at most 64 tokens take them in pairs, as 128-wide steps
   // (route pairs, traits.cuh), where the K/V tokens are addressed directly (a paged cache keeps
   // the 64-wide kernels); kHeadsPerTile 1: 128-row tiles, 2: 64-row tiles of two query heads.
-  constexpr bool kRoutePairs = kBlockN == 64 && kHeadDim <= 128 && !kProxy;
+  // Proxy kernels too: their windows are then 128 summary rows (proxy.cuh).
+  constexpr bool kRoutePairs = kBlockN == 64 && kHeadDim <= 128;
   using Pairs128 = RoutePairsTraits<Element, kHeadDim, 1>;
   using PairsPacked = RoutePairsTraits<Element, kHeadDim, 2>;
   if constexpr (kKind == KernelKind::decode) {
@@ -88,10 +89,10 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
     }
     if constexpr (kRoutePairs) {
       if (!a) {
-        const cudaError_t e = launch_forward_ws<Pairs128>(nullptr, extents, overflow, stream);
+        const cudaError_t e = launch_forward_ws<Pairs128, kProxy>(nullptr, extents, overflow, stream);
         if (e != cudaSuccess) return e;
       } else if (route_pairs_enabled() && !a->route.paged) {
-        return launch_forward_ws<Pairs128>(a, extents, overflow, stream);
+        return launch_forward_ws<Pairs128, kProxy>(a, extents, overflow, stream);
       }
     }
     return launch_forward_ws<Rows128, kProxy>(a, extents, overflow, stream);
@@ -102,14 +103,14 @@ cudaError_t run_kernels(const AttentionParams* a, const TokenExtents& extents, c
       cudaError_t e = launch_forward_ws<Rows64, kProxy>(nullptr, extents, overflow, stream);
       if (e == cudaSuccess) e = launch_forward_ws<Rows64Packed, kProxy>(nullptr, extents, overflow, stream);
       if constexpr (kRoutePairs) {
-        if (e == cudaSuccess) e = launch_forward_ws<PairsPacked>(nullptr, extents, overflow, stream);
+        if (e == cudaSuccess) e = launch_forward_ws<PairsPacked, kProxy>(nullptr, extents, overflow, stream);
       }
       return e;
     }
     if (packable_heads(a->route)) {
       if constexpr (kRoutePairs) {
         if (route_pairs_enabled() && !a->route.paged)
-          return launch_forward_ws<PairsPacked>(a, extents, overflow, stream);
+          return launch_forward_ws<PairsPacked, kProxy>(a, extents, overflow, stream);
       }
       return launch_forward_ws<Rows64Packed, kProxy>(a, extents, overflow, stream);
     }

@@ -36,7 +36,6 @@ __global__ void __launch_bounds__(WsConfig<T>::kThreads, T::kCtasPerSm)
   using Barrier = cutlass::arch::ClusterBarrier;
   static_assert(T::kWarpgroups <= 2 && T::kBlockN >= 64, "O of a warpgroup is staged in a K or V stage");
   constexpr int kStages = T::kStages;
-  static_assert(T::kRoutesPerStep == 1 || !kProxy, "route pairs: exact routes only");
   extern __shared__ char smem_raw[];
   // Aligned by pointer arithmetic on the shared array (not through an integer), so the compiler
   // keeps the shared address space: LDS/STS for the tile slots and the epilogue, not generic

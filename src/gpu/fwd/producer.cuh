@@ -334,18 +334,20 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
     // first token (zeros: a stale stage could hold NaN, which a zero P would still spread).
     const int tok0 = p.varlen_kv ? static_cast<int>(tile.si.kv_base) : 0;
     const int bc = p.varlen_kv ? 0 : tile.b;
+    const int exact_steps = exact_step_count<T::kRoutesPerStep>(tile);
     // Step i's rows: its route's first token (route pairs: and the second route's), or a window's
-    // first summary row, and the map's batch coordinate.
+    // first summary row (route pairs: and its second half's), and the map's batch coordinate.
     struct StepRows {
       int row, row2, batch;
       bool window;
     };
     const auto locate = [&](int i) {
       StepRows s;
-      s.window = kProxy && i >= tile.exact;
+      s.window = kProxy && i >= exact_steps;
       const int r = i * T::kRoutesPerStep;  // the step's first route
-      s.row = s.window ? proxy_window_row<T::kBlockN>(tile, i) : tok0 + route_index(tile, r) * p.tile_n;
+      s.row = s.window ? proxy_window_row<T::kBlockN, T::kRoutesPerStep>(tile, i) : tok0 + route_index(tile, r) * p.tile_n;
       s.row2 = T::kRoutesPerStep == 1 ? 0
+               : s.window             ? s.row + T::kRouteN
                : r + 1 < tile.exact   ? tok0 + route_index(tile, r + 1) * p.tile_n
                                       : -T::kRouteN;
       s.batch = s.window ? tile.b : bc;
@@ -416,7 +418,7 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
       cp_async_arrive_noinc(&full[stage]);
     };
     // The exact routes' steps (a proxy kernel's windows follow: load_proxy_windows).
-    const int steps = (tile.exact + T::kRoutesPerStep - 1) / T::kRoutesPerStep;
+    const int steps = exact_step_count<T::kRoutesPerStep>(tile);
     for (int i = 0; i < steps; ++i) {
       load_step(std::false_type{}, k_rows, bars.full_k, bars.empty_k, i);
       load_step(std::true_type{}, v_rows, bars.full_v, bars.empty_v, i);

@@ -27,23 +27,26 @@ namespace bsattn::gpu::fwd {
 // The proxy windows of one work tile, after its exact routes, by the threads that issued those:
 // with TMA the first one (ptid 0) copies each operand's window from the summary maps (rows past
 // the tensor zero-filled; rows of blocks past a shorter sequence are finite data, as K/V tokens
-// past it, that the softmax removes); with cp.async the kLoaderThreads threads copy the rows,
-// zero-filled past the sequence's blocks.
+// past it, that the softmax removes; route pairs: two boxes of kRouteN rows); with cp.async the
+// kLoaderThreads threads copy the rows, zero-filled past the sequence's blocks.
 template <class T>
 __device__ __forceinline__ void load_proxy_windows(const Tile& tile, bool tma, const AttentionParams& a,
                                                    const LaunchDescriptors& desc, typename T::SharedStorage& st,
                                                    PipelineBarriers<T::kStages, T::kWarpgroups>& bars, int ptid) {
   using Element = typename T::Element;
-  constexpr int kBlockN = T::kBlockN, kStages = T::kStages;
+  constexpr int kBlockN = T::kBlockN, kStages = T::kStages, kRoutesPerStep = T::kRoutesPerStep;
+  const int first_window = tile.first + exact_step_count<kRoutesPerStep>(tile);
   if (tma && !a.route.paged) return;  // load_tile_routes copied them with the routes
   if (tma) {  // paged K/V: the loader warp's first lane
     if (ptid != 0) return;
-    for (int j = tile.first + tile.exact; j < tile.first + tile.count; ++j) {
+    for (int j = first_window; j < tile.first + tile.count; ++j) {
       const PipelineSlot<kStages> slot(j);
       const int stage = slot.stage, phase = slot.phase;
-      const int row = proxy_window_row<kBlockN>(tile, j - tile.first);
-      tma_stage_load<T>(st.k, &desc.k_summary, bars.full_k, bars.empty_k, stage, phase, row, tile.hkv, tile.b);
-      tma_stage_load<T>(st.v, &desc.v_summary, bars.full_v, bars.empty_v, stage, phase, row, tile.hkv, tile.b);
+      const int row = proxy_window_row<kBlockN, kRoutesPerStep>(tile, j - tile.first);
+      tma_stage_load<T>(st.k, &desc.k_summary, bars.full_k, bars.empty_k, stage, phase, row, tile.hkv, tile.b,
+                        row + T::kRouteN);
+      tma_stage_load<T>(st.v, &desc.v_summary, bars.full_v, bars.empty_v, stage, phase, row, tile.hkv, tile.b,
+                        row + T::kRouteN);
     }
     return;
   }
@@ -53,10 +56,11 @@ __device__ __forceinline__ void load_proxy_windows(const Tile& tile, bool tma, c
   const ContiguousRows<Element> v_rows{static_cast<const Element*>(a.v_summary) +
                                            tile.b * a.v_summary_batch_stride + tile.hkv * a.v_summary_head_stride,
                                        a.v_summary_block_stride};
-  for (int j = tile.first + tile.exact; j < tile.first + tile.count; ++j) {
+  for (int j = first_window; j < tile.first + tile.count; ++j) {
     const PipelineSlot<kStages> slot(j);
     const int stage = slot.stage, phase = slot.phase;
-    const int row = proxy_window_row<kBlockN>(tile, j - tile.first), n_valid = tile.si.kv_blocks - row;
+    const int row = proxy_window_row<kBlockN, kRoutesPerStep>(tile, j - tile.first);
+    const int n_valid = tile.si.kv_blocks - row;
     cp_async_stage_load<T, false>(st, k_rows, bars.full_k, bars.empty_k, stage, phase, row, n_valid, ptid);
     cp_async_stage_load<T, true>(st, v_rows, bars.full_v, bars.empty_v, stage, phase, row, n_valid, ptid);
   }
@@ -89,19 +93,19 @@ struct ProxyRecords {
   }
 };
 
-// Softmax of proxy step `step` (>= tile.exact) of this warpgroup's score tile s (rowcol view, c
+// Softmax of proxy step `step` (>= the exact steps) of this warpgroup's score tile s (rowcol view, c
 // its coordinates) from its candidate records: masks the columns the rows do not take, then the
 // weighted online softmax. `cursor` moves past the window's records (the steps come in order). A
 // warp's 16 rows lie in one Q unit (unit_m >= 16), so the warp builds the visibility of the
 // window's kBlockN columns for its unit: each candidate inside the window sets its column's bit
 // by a warp OR. The word of a column is picked by compares, not by indexing, which would put the
 // words in local memory.
-template <int kBlockN, class TS, class TC, class Softmax, int kRows>
+template <int kBlockN, int kRoutesPerStep, class TS, class TC, class Softmax, int kRows>
 __device__ __forceinline__ void proxy_softmax(TS& s, const TC& c, const Tile& tile, int step, int block_kv,
                                               int tile_row0, int unit_m, const ProxyRecords<kBlockN>& candidates,
                                               int& cursor, Softmax& softmax, float (&rescale)[kRows]) {
   constexpr int kWords = kBlockN / 32;
-  const int row0 = proxy_window_row<kBlockN>(tile, step);
+  const int row0 = proxy_window_row<kBlockN, kRoutesPerStep>(tile, step);
   const int unit = (tile_row0 + get<0>(c(0, 0))) / unit_m;
   const route::Route(&records)[kWords] = candidates.records;
   unsigned visible[kWords];

@@ -128,10 +128,17 @@ __device__ __forceinline__ void tile_routes(const AttentionParams& a, int first,
   t.first = first;
 }
 
-// First KV block of proxy step `step` (>= t.exact) of a proxy kernel: its window's first summary row.
-template <int kBlockN>
+// Pipeline steps of a tile's exact routes: one route per step, or two (route pairs).
+template <int kRoutesPerStep>
+__device__ __forceinline__ int exact_step_count(const Tile& t) {
+  return (t.exact + kRoutesPerStep - 1) / kRoutesPerStep;
+}
+
+// First KV block of proxy step `step` (>= the exact steps) of a proxy kernel: its window's first
+// summary row.
+template <int kBlockN, int kRoutesPerStep>
 __device__ __forceinline__ int proxy_window_row(const Tile& t, int step) {
-  return (t.window0 + step - t.exact) * kBlockN;
+  return (t.window0 + step - exact_step_count<kRoutesPerStep>(t)) * kBlockN;
 }
 
 // Route i of a tile. Made from the lengths (t.routes null; only in kernels built with
