@@ -1,6 +1,6 @@
 // Host check of the GPU proxy kernel's index arithmetic (src/gpu/fwd/proxy.cuh, scheduler.cuh:
 // the trailing proxy-record count of prepare_routes_kernel, the windows of kBlockN blocks from the
-// first proxy record's to the last's, a window's visibility built from the records by the
+// first proxy record's to the last's (128 with route pairs), a window's visibility built from the records by the
 // kernel's cursor walk (kBlockN records read per window), the short last block's column and
 // weight) against the CPU engine's per-record loop (cpu/engine.hpp: every record the unit takes,
 // weight min(Bk, Skv - j Bk)), on route rows made by the real route::prepare_row (random block
@@ -25,7 +25,9 @@ int main() {
     p.tile_m = p.block_q % 128 == 0 ? 128 : 64;
     p.tile_n = 16; for (int t = 16; t <= 128; t += 16) if (p.block_kv % t == 0) p.tile_n = t;
     p.unit_m = std::min(p.block_q, p.tile_m);
-    const int kBlockN = p.tile_n <= 64 ? 64 : 128;
+    // Route pairs (128-row tiles, routes of at most 64 tokens): 128-wide steps, windows of 128.
+    const bool route_pairs = p.tile_n <= 64 && p.tile_m == 128 && uni(0, 1);
+    const int kBlockN = p.tile_n <= 64 && !route_pairs ? 64 : 128;
     p.max_seqlen_q = uni(1, 3000); p.max_seqlen_kv = uni(1, 9000);
     p.causal = uni(0, 1); p.top_left = uni(0, 1);
     if (uni(0, 3) == 0) { p.window_left = uni(0, 500); }
