@@ -14,6 +14,7 @@
 #               D 64 and 256, which quick builds lack): LIBS, ROWS (its row names,
 #               default causal,rand0.25,rand1.0), ROUNDS
 #   STEP=paged-ab  bench_paged.py per library of LIBS, alternated for ROUNDS (default 2) rounds
+#   STEP=proxy-ab  the same with bench_proxy.py (proxy overhead over the exact run)
 # Libraries for STEP=ab are best built on the development machine (BSATTN_GPU_DTYPES=bf16,
 # BSATTN_GPU_HEAD_DIMS=128, target bsattn_bench; tests/gpu/quick_libs.sh base=REV v1=REV) and
 # carried xz-compressed (about 5 MB each).
@@ -71,23 +72,28 @@ ab | bwd-ab)
       COMPARE_ROUNDS="${ROUNDS:-6}" COMPARE_TIMEOUT="${AB_TIMEOUT:-400}" PEERS=none bash tests/gpu/device_check.sh
   fi
   ;;
-paged-ab)
-  # bench_paged.py has no --compare: one process per library, the libraries alternated.
-  log "paged A/B: $LIBS, ${ROUNDS:-2} rounds"
+paged-ab | proxy-ab)
+  # Neither benchmark has --compare: one process per library, the libraries alternated.
+  bench=${STEP%-ab}
+  log "$bench A/B: $LIBS, ${ROUNDS:-2} rounds"
   for r in $(seq "${ROUNDS:-2}"); do
     for f in ${LIBS:?LIBS: the bench libraries to compare}; do
       name=$(basename "$f")
       name=${name%%.*}
       case "$f" in *.xz) xz -dc "$f" > "/tmp/$name.so" ;; *) cp "$f" "/tmp/$name.so" ;; esac
-      PYTHONUNBUFFERED=1 timeout 120 python3 bench/gpu/bench_paged.py --lib "/tmp/$name.so" --out "$OUT/paged-$name-$r.md" \
-        > "$OUT/paged-$name-$r.log" 2>&1
-      echo "== $name, round $r (rc=$?): paged / contiguous"
-      grep -E "paged, pages of (16|64)" "$OUT/paged-$name-$r.md" | awk -F'|' '{print $2, $3, $7}'
+      PYTHONUNBUFFERED=1 timeout 150 python3 "bench/gpu/bench_$bench.py" --lib "/tmp/$name.so" \
+        --out "$OUT/$bench-$name-$r.md" > "$OUT/$bench-$name-$r.log" 2>&1
+      echo "== $name, round $r (rc=$?)"
+      if [ "$bench" = paged ]; then
+        grep -E "paged, pages of (16|64)" "$OUT/$bench-$name-$r.md" | awk -F'|' '{print $2, $3, $7}'
+      else
+        cat "$OUT/$bench-$name-$r.md" 2>/dev/null || tail -5 "$OUT/$bench-$name-$r.log"
+      fi
     done
   done
   ;;
 *)
-  echo "STEP: full, peers, ab, bwd-ab or paged-ab (see the header)"
+  echo "STEP: full, peers, ab, bwd-ab, paged-ab or proxy-ab (see the header)"
   exit 2
   ;;
 esac
