@@ -6,7 +6,9 @@
 #               variants steps (the cp.async producer's tests; no timing)
 #   STEP=peers  issue 14's forward rows and the backward rows against FlashAttention-4 in the same
 #               process (needs build-gpu, and `bash .peers/a/fa4-peer.sh stage .peers` in the call before);
-#               the forward rows with --power (settled clocks, power, back-to-back TF/s)
+#               the forward rows with --power (settled clocks, power, back-to-back TF/s); PEER_LIB
+#               (a bench library, .xz or not, e.g. quick_libs.sh with HEAD_DIMS="64;128;256") instead
+#               of build-gpu's, so that the call needs no full build
 #   STEP=ab     bench libraries timed interleaved on issue 14's rows (device_check.sh's compare step):
 #               LIBS="base.so[.xz] v1.so[.xz] ..." (the first is the base; a copy of it is timed last,
 #               as the A/A), ONLY (row name prefixes, comma-separated), ROUNDS
@@ -37,6 +39,10 @@ full)
 peers)
   source .peers/b/fa4-peer.sh install .peers || exit 1
   LIB=build-gpu/bench/gpu/libbsattn_bench.so
+  if [ -n "${PEER_LIB:-}" ]; then
+    LIB=/tmp/peer-lib.so
+    case "$PEER_LIB" in *.xz) xz -dc "$PEER_LIB" > "$LIB" ;; *) cp "$PEER_LIB" "$LIB" ;; esac
+  fi
   log "forward, issue 14's rows"
   PYTHONUNBUFFERED=1 timeout 430 python3 bench/gpu/bench_forward.py --lib "$LIB" --rows issue14 --peers fa4,cudnn --power \
     --out "$OUT/forward.md" > "$OUT/forward.log" 2>&1

@@ -3,7 +3,8 @@
 # device_session.sh's STEP=ab / bwd-ab (bf16, D 128 kernels only, target bsattn_bench: about 6
 # minutes each on 2 cores, 56 MB, 5 MB xz-compressed). Each revision is checked out in a worktree
 # of its own (removed afterwards) and built in BUILD_ROOT/NAME; the library goes to DIR/NAME.so.xz
-# (DIR defaults to .device/libs, an ignored folder a device call can carry).
+# (DIR defaults to .device/libs, an ignored folder a device call can carry). HEAD_DIMS (default 128)
+# widens it, e.g. HEAD_DIMS="64;128;256" for STEP=peers's D 64 and D 256 rows (PEER_LIB).
 #   tests/gpu/quick_libs.sh base=HEAD~1 v1=HEAD      then carry .device and run
 #   STEP=ab LIBS=".device/libs/base.so.xz .device/libs/v1.so.xz" ONLY=... bash tests/gpu/device_session.sh
 set -euo pipefail
@@ -23,7 +24,7 @@ for spec in "$@"; do
   git worktree add --detach -q "$tree" "$commit"
   echo "[$(date +%H:%M:%S)] $name = $(git log --oneline -1 "$commit")"
   cmake -S "$tree" -B "$BUILD_ROOT/$name" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBSATTN_ENABLE_CUDA=ON \
-    -DBSATTN_BUILD_TOOLS=OFF -DBSATTN_GPU_DTYPES=bf16 -DBSATTN_GPU_HEAD_DIMS=128 > "$BUILD_ROOT/$name.log" 2>&1
+    -DBSATTN_BUILD_TOOLS=OFF -DBSATTN_GPU_DTYPES=bf16 -DBSATTN_GPU_HEAD_DIMS="${HEAD_DIMS:-128}" > "$BUILD_ROOT/$name.log" 2>&1
   cmake --build "$BUILD_ROOT/$name" -j "$JOBS" --target bsattn_bench >> "$BUILD_ROOT/$name.log" 2>&1 ||
     { grep -E "error" "$BUILD_ROOT/$name.log" | head -20; exit 1; }
   xz -6 -T0 -c "$BUILD_ROOT/$name/bench/gpu/libbsattn_bench.so" > "$DIR/$name.so.xz"
