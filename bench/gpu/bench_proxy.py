@@ -3,7 +3,9 @@
 proxy terms on the eligible blocks against the exact run with the same selected set (no mask, so
 every unselected block is eligible). bf16, D 128 (--head-dim 64 or 256), MHA H 40, one random
 pattern per head, density 0.175 (each (head, Q block) row selects round(0.175 * nKB) blocks, the
-diagonal one always), blocks 64 x 64 and 128 x 128, S 10800 and 32768. Summaries come from bsattn's build_summaries.
+diagonal one always), blocks (Q x KV) 64 x 64 and 128 x 128 (--blocks: e.g. 128x64, where 128-row
+tiles take their 64-token routes two per step), S 10800 and 32768. Summaries come from bsattn's
+build_summaries.
 
 Three runs per shape, each checked first on rows of a few (head, Q block) pairs against a float64
 torch reference (exact: softmax over the selected tokens; proxy: plus one term p_j = exp(s_j) per
@@ -36,6 +38,7 @@ P.add_argument("--lib", required=True)
 P.add_argument("--iters", type=int, default=20)
 P.add_argument("--out", default="")
 P.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
+P.add_argument("--blocks", default="64x64,128x128", help="Q x KV block shapes, comma-separated")
 ARGS = P.parse_args()
 
 LIB = benchlib.load(ARGS.lib, need=("bsattn_bench_plan", "bsattn_bench_set_proxy", "bsattn_bench_summaries"))
@@ -57,13 +60,13 @@ def ok(rc):
     benchlib.ok(LIB, rc)
 
 
-def pattern(S, block, gen):
+def pattern(S, bq, bk, gen):
     """counts [1, H, nQB], indices [1, H, nQB, nKB] (ascending, -1 padded), selection mask [H, nQB, nKB]."""
-    nqb = nkb = (S + block - 1) // block
+    nqb, nkb = (S + bq - 1) // bq, (S + bk - 1) // bk
     keep = max(1, round(DENSITY * nkb))
     score = torch.rand(H, nqb, nkb, generator=gen)
     diag = torch.arange(nqb)
-    score[:, diag, diag] = 2.0  # the diagonal block is always selected
+    score[:, diag, diag * bq // bk] = 2.0  # the diagonal block (its first row's) is always selected
     chosen = score.topk(keep, dim=-1).indices.sort(dim=-1).values
     sel = torch.zeros(H, nqb, nkb, dtype=torch.bool)
     sel.scatter_(-1, chosen, True)
@@ -73,10 +76,10 @@ def pattern(S, block, gen):
     return cnt.cuda(), idx.cuda(), sel
 
 
-def reference_rows(q, k, v, ks, vs, sel, block, h, qb, proxy):
-    """float64 O rows of (head h, Q block qb)."""
+def reference_rows(q, k, v, ks, vs, sel, bq, block, h, qb, proxy):
+    """float64 O rows of (head h, Q block qb); `block`: the KV block."""
     S = q.shape[1]
-    rows = slice(qb * block, min(S, (qb + 1) * block))
+    rows = slice(qb * bq, min(S, (qb + 1) * bq))
     scale = 1.0 / math.sqrt(D)
     qr = q[0, rows, h].double()
     blocks = sel[h, qb].nonzero().flatten().tolist()
@@ -158,19 +161,19 @@ def main():
         q = torch.randn(1, S, H, D, dtype=torch.bfloat16, device="cuda")
         k = torch.randn(1, S, H, D, dtype=torch.bfloat16, device="cuda")
         v = torch.randn(1, S, H, D, dtype=torch.bfloat16, device="cuda")
-        for block in (64, 128):
-            nkb = (S + block - 1) // block
-            cnt, idx, sel = pattern(S, block, gen)
+        for bq, block in (tuple(int(x) for x in b.split("x")) for b in ARGS.blocks.split(",")):
+            nqb, nkb = (S + bq - 1) // bq, (S + block - 1) // block
+            cnt, idx, sel = pattern(S, bq, block, gen)
             no_cnt = torch.zeros_like(cnt)  # the empty explicit proxy set
             no_idx = torch.full_like(idx, -1)
             ks = torch.empty(1, nkb, H, D, dtype=torch.bfloat16, device="cuda")
             vs = torch.empty_like(ks)
             ok(LIB.bsattn_bench_summaries(1, S, H, D, 0, block, ptr(k), ptr(v), ptr(ks), ptr(vs), stream))
-            tile_m = 128 if block % 128 == 0 else 64  # plan.cpp's choose_tiles
+            tile_m = 128 if bq % 128 == 0 else 64  # plan.cpp's choose_tiles
             route_rows = H * ((S + tile_m - 1) // tile_m)
             plans, outs, calls, proxy_sets = {}, {}, {}, {}
             for name in VARIANTS:
-                plan = benchlib.Plan(LIB, LIB.bsattn_bench_plan(1, S, H, H, D, 0, block, block, 1, H, 0, -1))
+                plan = benchlib.Plan(LIB, LIB.bsattn_bench_plan(1, S, H, H, D, 0, bq, block, 1, H, 0, -1))
                 out = torch.full_like(q, float("nan"))
                 if name == "proxy":
                     ok(LIB.bsattn_bench_set_proxy(plan.h, 1, ptr(ks), ptr(vs)))
@@ -194,8 +197,8 @@ def main():
                 assert torch.isfinite(outs[name]).all().item(), f"{name}: non-finite output"
                 err = 0.0
                 for h in (0, H // 2, H - 1):
-                    for qb in (0, nkb // 2, nkb - 1):
-                        ref, r = reference_rows(q, k, v, ks, vs, sel, block, h, qb, name == "proxy")
+                    for qb in (0, nqb // 2, nqb - 1):
+                        ref, r = reference_rows(q, k, v, ks, vs, sel, bq, block, h, qb, name == "proxy")
                         err = max(err, (outs[name][0, r, h].double() - ref).abs().max().item())
                 errs[name] = err
             totals = dict(zip(VARIANTS, timed_interleaved([calls[n] for n in VARIANTS], ARGS.iters)))
@@ -211,12 +214,12 @@ def main():
                 kern[name] = kernel_ms(calls[name])
             for name in VARIANTS:
                 bad = "" if errs[name] <= 2e-2 else " MISMATCH"
-                rows.append(f"| {S} | {block} x {block} | {name} | {totals[name]:.3f} | {1e3 * prep[name]:.1f} | "
+                rows.append(f"| {S} | {bq} x {block} | {name} | {totals[name]:.3f} | {1e3 * prep[name]:.1f} | "
                             f"{1e3 * order[name]:.1f} | {fmt(kern[name], '.3f')} | {records[name]:.1f} | "
                             f"{errs[name]:.1e}{bad} |")
                 print(rows[-1], flush=True)
             over = totals["proxy"] - totals["exact"]
-            line = (f"S {S}, blocks {block}: overhead {over:+.3f} ms ({100 * over / totals['exact']:+.1f} %) = "
+            line = (f"S {S}, blocks {bq} x {block}: overhead {over:+.3f} ms ({100 * over / totals['exact']:+.1f} %) = "
                     f"route preparation {prep['proxy'] - prep['exact']:+.3f} ms")
             if all(kern[n] is not None for n in VARIANTS):
                 line += (f" + kernel variant {kern['proxy-empty'] - kern['exact']:+.3f} ms"
