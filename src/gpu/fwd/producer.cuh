@@ -345,7 +345,8 @@ __device__ __forceinline__ void load_tile_routes(const Tile& tile, bool tma, con
       StepRows s;
       s.window = kProxy && i >= exact_steps;
       const int r = i * T::kRoutesPerStep;  // the step's first route
-      s.row = s.window ? proxy_window_row<T::kBlockN, T::kRoutesPerStep>(tile, i) : tok0 + route_index(tile, r) * p.tile_n;
+      s.row = s.window ? proxy_window_row<T::kBlockN, T::kRoutesPerStep>(tile, i)
+                       : tok0 + route_index(tile, r) * p.tile_n;
       s.row2 = T::kRoutesPerStep == 1 ? 0
                : s.window             ? s.row + T::kRouteN
                : r + 1 < tile.exact   ? tok0 + route_index(tile, r + 1) * p.tile_n
