@@ -114,7 +114,7 @@ TEST(GpuProxy, ManyProxyStepsAndShortLastBlock) {
 // Sparse explicit sets on long rows: a row's proxy records lie far apart, so the kernel's windows
 // (kBlockN blocks each, from the first record's to the last's) include windows with no record,
 // and records sit at both ends of a window; pair kernels (128-row tiles, blocks of 128, packed
-// head pairs) and 64-row tiles.
+// head pairs), route pairs (128-row tiles over blocks of 32: windows of 128) and 64-row tiles.
 TEST(GpuProxy, SparseExplicitSetsAcrossWindows) {
   REQUIRE_SM90();
   std::uint64_t seed = 7350;
