@@ -21,14 +21,13 @@ bf16, Hq 32 / Hkv 8, D 128.
 """
 import argparse
 import os
+import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import load, ok, page, Plan, ptr, stream, timed, timed_back_to_back, timed_settled  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+from benchlib import load, ok, page, Plan, ptr, settle, stream, timed, timed_back_to_back, timed_settled  # noqa: E402
 
 P = argparse.ArgumentParser()
 P.add_argument("--lib", required=True)
@@ -69,12 +68,7 @@ def timed_layouts(calls):
         ms = [timed(c, ARGS.iters, queue_us=ARGS.queue_us) if ARGS.timing == "synced" else
               timed_settled(c, ARGS.iters) for c in calls]
         return ms, [m / ms[0] for m in ms]
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 1.0:
-        for c in calls:
-            for _ in range(4):
-                c()
-        torch.cuda.synchronize()
+    settle(calls, 1.0)
     rounds = [[0.0] * len(calls) for _ in range(ARGS.rounds)]
     for r in range(ARGS.rounds):
         for j in range(len(calls)):

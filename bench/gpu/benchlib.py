@@ -179,12 +179,18 @@ def timed_settled(fn, iters, settle_s=1.0, warmup=3):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < settle_s:
-        for _ in range(8):
-            fn()
-        torch.cuda.synchronize()
+    settle([fn], settle_s)
     return timed_back_to_back(fn, iters)
+
+
+def settle(fns, seconds):
+    """Runs the callables in turn, 8 calls each and a sync per turn, for `seconds` (timed_settled)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        for fn in fns:
+            for _ in range(8):
+                fn()
+        torch.cuda.synchronize()
 
 
 def timed_by(timing, fn, iters, settle_s=1.0):

@@ -86,7 +86,7 @@ paged-ab | proxy-ab)
     for f in ${LIBS:?LIBS: the bench libraries to compare}; do
       name=$(basename "$f")
       name=${name%%.*}
-      case "$f" in *.xz) xz -dc "$f" > "/tmp/$name.so" ;; *) cp "$f" "/tmp/$name.so" ;; esac
+      case "$f" in *.xz) xz -dc "$f" > "/tmp/$name.so" ;; *) [ "$f" -ef "/tmp/$name.so" ] || cp "$f" "/tmp/$name.so" ;; esac
       PYTHONUNBUFFERED=1 timeout 150 python3 "bench/gpu/bench_$bench.py" --lib "/tmp/$name.so" \
         --out "$OUT/$bench-$name-$r.md" > "$OUT/$bench-$name-$r.log" 2>&1
       echo "== $name, round $r (rc=$?)"
