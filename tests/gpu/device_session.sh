@@ -16,7 +16,8 @@
 #               D 64 and 256, which quick builds lack): LIBS, ROWS (its row names,
 #               default causal,rand0.25,rand1.0), ROUNDS
 #   STEP=paged-ab  bench_paged.py per library of LIBS, alternated for ROUNDS (default 2) rounds
-#   STEP=proxy-ab  the same with bench_proxy.py (proxy overhead over the exact run)
+#   STEP=proxy-ab  the same with bench_proxy.py (proxy overhead over the exact run); BENCH_ARGS go to
+#                  the benchmark (e.g. "--blocks 128x64")
 # Libraries for STEP=ab are best built on the development machine (BSATTN_GPU_DTYPES=bf16,
 # BSATTN_GPU_HEAD_DIMS=128, target bsattn_bench; tests/gpu/quick_libs.sh base=REV v1=REV) and
 # carried xz-compressed (about 5 MB each).
@@ -87,7 +88,7 @@ paged-ab | proxy-ab)
       name=$(basename "$f")
       name=${name%%.*}
       case "$f" in *.xz) xz -dc "$f" > "/tmp/$name.so" ;; *) [ "$f" -ef "/tmp/$name.so" ] || cp "$f" "/tmp/$name.so" ;; esac
-      PYTHONUNBUFFERED=1 timeout 150 python3 "bench/gpu/bench_$bench.py" --lib "/tmp/$name.so" \
+      PYTHONUNBUFFERED=1 timeout 150 python3 "bench/gpu/bench_$bench.py" --lib "/tmp/$name.so" ${BENCH_ARGS:-} \
         --out "$OUT/$bench-$name-$r.md" > "$OUT/$bench-$name-$r.log" 2>&1
       echo "== $name, round $r (rc=$?)"
       if [ "$bench" = paged ]; then
