@@ -21,13 +21,12 @@ bf16, Hq 32 / Hkv 8, D 128.
 """
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import load, ok, page, Plan, ptr, settle, stream, timed, timed_back_to_back, timed_settled  # noqa: E402
+from benchlib import load, ok, page, Plan, ptr, stream, timed, timed_rotated, timed_settled  # noqa: E402
 
 P = argparse.ArgumentParser()
 P.add_argument("--lib", required=True)
@@ -68,14 +67,7 @@ def timed_layouts(calls):
         ms = [timed(c, ARGS.iters, queue_us=ARGS.queue_us) if ARGS.timing == "synced" else
               timed_settled(c, ARGS.iters) for c in calls]
         return ms, [m / ms[0] for m in ms]
-    settle(calls, 1.0)
-    rounds = [[0.0] * len(calls) for _ in range(ARGS.rounds)]
-    for r in range(ARGS.rounds):
-        for j in range(len(calls)):
-            i = (j + r) % len(calls)
-            rounds[r][i] = timed_back_to_back(calls[i], ARGS.iters)
-    ms = [statistics.median(rr[i] for rr in rounds) for i in range(len(calls))]
-    return ms, [statistics.median(rr[i] / rr[0] for rr in rounds) for i in range(len(calls))]
+    return timed_rotated(calls, ARGS.iters, ARGS.rounds)
 
 
 def main():

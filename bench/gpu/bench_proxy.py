@@ -14,9 +14,11 @@ unselected block with weight n_j in the denominator and p_j * v_summary_j in the
   proxy-empty  an explicit proxy set with no block: the proxy kernel and proxy route preparation
                on the exact work alone (what the kernel variant costs without proxy steps);
   proxy        every unselected block compensated (the configuration of the target).
-Per run: the total (median of --iters CUDA-event timings, the runs interleaved), route
-preparation and the longest-first ordering timed on their own (bsattn_bench_prepare_time), and
-the attention kernel's GPU time from torch.profiler (when it records kernels). The split of the
+Per run: the total (--timing rotated, the default: the three runs settled together, then --rounds
+rounds of --iters back-to-back calls each, the runs taking turns, median; --timing synced: an
+event pair and a sync around each call, the method until 2026-12-06), route preparation and the
+longest-first ordering timed on their own (bsattn_bench_prepare_time), and from torch.profiler
+(when it records kernels) the attention kernel's GPU time and that of every kernel of the call. The split of the
 overhead, proxy - exact = route preparation + kernel variant (proxy-empty - exact kernel) + proxy
 steps (proxy - proxy-empty kernel), follows each shape. Target: overhead <= 8 %. Under a minute.
 
@@ -39,6 +41,8 @@ P.add_argument("--iters", type=int, default=20)
 P.add_argument("--out", default="")
 P.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
 P.add_argument("--blocks", default="64x64,128x128", help="Q x KV block shapes, comma-separated")
+P.add_argument("--timing", default="rotated", choices=["rotated", "synced"], help="the totals' method (timed_variants)")
+P.add_argument("--rounds", type=int, default=7, help="--timing rotated: rounds of the three variants")
 ARGS = P.parse_args()
 
 LIB = benchlib.load(ARGS.lib, need=("bsattn_bench_plan", "bsattn_bench_set_proxy", "bsattn_bench_summaries"))
@@ -100,14 +104,20 @@ def reference_rows(q, k, v, ks, vs, sel, bq, block, h, qb, proxy):
     return num / den, rows
 
 
-def timed_interleaved(fns, iters):
-    """Median ms of each fn, the runs interleaved so that clocks and thermals hit all alike."""
+def timed_variants(fns):
+    """Median ms per call of each variant, by --timing: "rotated" (benchlib.timed_rotated: settled
+    together, then --rounds rounds of back-to-back calls, the variants taking turns) or "synced"
+    (an event pair and a sync around each call, the variants interleaved: the method until
+    2026-12-06, whose idle GPU between calls also holds the host's launch path and the clocks' first
+    milliseconds)."""
+    if ARGS.timing == "rotated":
+        return benchlib.timed_rotated(fns, ARGS.iters, ARGS.rounds)[0]
     for fn in fns:
         for _ in range(3):
             fn()
     torch.cuda.synchronize()
     times = [[] for _ in fns]
-    for _ in range(iters):
+    for _ in range(ARGS.iters):
         for i, fn in enumerate(fns):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -119,8 +129,8 @@ def timed_interleaved(fns, iters):
 
 
 def kernel_ms(fn, reps=5):
-    """GPU ms per call of the attention kernel (forward_kernel_ws*) from torch.profiler, or None
-    where the profiler records no kernels (no CUPTI)."""
+    """GPU ms per call from torch.profiler: the attention kernel (forward_kernel_ws*) and every
+    kernel of the call together, or (None, None) where the profiler records no kernels (no CUPTI)."""
     try:
         from torch.profiler import ProfilerActivity, profile
         fn()
@@ -129,19 +139,18 @@ def kernel_ms(fn, reps=5):
             for _ in range(reps):
                 fn()
             torch.cuda.synchronize()
-        total = 0.0
+        forward = every = 0.0
         for e in prof.key_averages():
-            if "forward_kernel_ws" not in e.key:
-                continue
             for attr in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
                 t = getattr(e, attr, None)
                 if t:
-                    total += t
+                    every += t
+                    forward += t if "forward_kernel_ws" in e.key else 0.0
                     break
-        return total / reps / 1e3 if total > 0 else None
+        return (forward / reps / 1e3, every / reps / 1e3) if forward > 0 else (None, None)
     except Exception as exc:  # a profiler that cannot run leaves the column empty, not the benchmark
         print(f"  (torch.profiler: {exc})", file=sys.stderr)
-        return None
+        return None, None
 
 
 def fmt(x, spec):
@@ -152,8 +161,9 @@ def main():
     gen = torch.Generator().manual_seed(0)
     stream = benchlib.stream()
     rows = [benchlib.header("bench_proxy.py"), "",
-            "| S | block | run | total ms | prepare us | order us | kernel ms | routes / row | max abs err vs float64 |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| S | block | run | total ms | prepare us | order us | kernel ms | all kernels ms | routes / row | "
+            "max abs err vs float64 |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     notes = []
     print("\n".join(rows), flush=True)
     for S in (10800, 32768):
@@ -201,8 +211,8 @@ def main():
                         ref, r = reference_rows(q, k, v, ks, vs, sel, bq, block, h, qb, name == "proxy")
                         err = max(err, (outs[name][0, r, h].double() - ref).abs().max().item())
                 errs[name] = err
-            totals = dict(zip(VARIANTS, timed_interleaved([calls[n] for n in VARIANTS], ARGS.iters)))
-            prep, order, kern, records = {}, {}, {}, {}
+            totals = dict(zip(VARIANTS, timed_variants([calls[n] for n in VARIANTS])))
+            prep, order, kern, kern_all, records = {}, {}, {}, {}, {}
             for name in VARIANTS:
                 pm, om, rec = ctypes.c_double(), ctypes.c_double(), ctypes.c_longlong()
                 pc, pi = proxy_sets[name]
@@ -211,11 +221,12 @@ def main():
                                                  ctypes.byref(om), ctypes.byref(rec)))
                 prep[name], order[name] = pm.value, om.value
                 records[name] = rec.value / route_rows
-                kern[name] = kernel_ms(calls[name])
+                kern[name], kern_all[name] = kernel_ms(calls[name])
             for name in VARIANTS:
                 bad = "" if errs[name] <= 2e-2 else " MISMATCH"
                 rows.append(f"| {S} | {bq} x {block} | {name} | {totals[name]:.3f} | {1e3 * prep[name]:.1f} | "
-                            f"{1e3 * order[name]:.1f} | {fmt(kern[name], '.3f')} | {records[name]:.1f} | "
+                            f"{1e3 * order[name]:.1f} | {fmt(kern[name], '.3f')} | {fmt(kern_all[name], '.3f')} | "
+                            f"{records[name]:.1f} | "
                             f"{errs[name]:.1e}{bad} |")
                 print(rows[-1], flush=True)
             over = totals["proxy"] - totals["exact"]

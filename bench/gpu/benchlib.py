@@ -193,6 +193,22 @@ def settle(fns, seconds):
         torch.cuda.synchronize()
 
 
+def timed_rotated(fns, iters, rounds, settle_s=1.0):
+    """Per callable, the median ms over `rounds` rounds of `iters` back-to-back calls
+    (timed_back_to_back), and the median of its per-round ratio to the first callable. All are
+    settled together for `settle_s` seconds first, and take turns within a round in an order
+    rotated from round to round, so that the GPU's drift between rounds enters every callable
+    alike and a ratio compares calls timed moments apart."""
+    settle(fns, settle_s)
+    per_round = [[0.0] * len(fns) for _ in range(rounds)]
+    for r in range(rounds):
+        for j in range(len(fns)):
+            i = (j + r) % len(fns)
+            per_round[r][i] = timed_back_to_back(fns[i], iters)
+    ms = [statistics.median(pr[i] for pr in per_round) for i in range(len(fns))]
+    return ms, [statistics.median(pr[i] / pr[0] for pr in per_round) for i in range(len(fns))]
+
+
 def timed_by(timing, fn, iters, settle_s=1.0):
     """The benchmarks' --timing: "queued" (timed_settled) or "synced" (timed: an event pair and a
     sync around each call, the method until 2026-12-06)."""
