@@ -18,9 +18,11 @@ Per run: the total (--timing rotated, the default: the three runs settled togeth
 rounds of --iters back-to-back calls each, the runs taking turns, median; --timing synced: an
 event pair and a sync around each call, the method until 2026-12-06), route preparation and the
 longest-first ordering timed on their own (bsattn_bench_prepare_time), and from torch.profiler
-(when it records kernels) the attention kernel's GPU time and that of every kernel of the call. The split of the
-overhead, proxy - exact = route preparation + kernel variant (proxy-empty - exact kernel) + proxy
-steps (proxy - proxy-empty kernel), follows each shape. Target: overhead <= 8 %. Under a minute.
+(when it records kernels) the attention kernel's GPU time and that of every kernel of the call.
+The split of the overhead, proxy - exact = route preparation + kernel variant (proxy-empty - exact
+kernel) + proxy steps (proxy - proxy-empty kernel), follows each shape (the profiler's 5 calls are
+not settled: at S 32768 their kernel times moved by up to 8 % on 2026-12-06 22:13, so read the
+split with the totals beside it). Target: overhead <= 8 %. Under a minute.
 
   python3 bench/gpu/bench_proxy.py --lib build-gpu/bench/gpu/libbsattn_bench.so [--out proxy.md]
 """
