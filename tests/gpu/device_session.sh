@@ -26,6 +26,10 @@ DEPS=${DEPS:-.device}
 export OUT=${OUT:-/tmp/bsattn-device-session}
 mkdir -p "$OUT"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
+# unpack SRC DST: a carried bench library to DST (xz-decompressed where SRC ends in .xz).
+unpack() {
+  case "$1" in *.xz) xz -dc "$1" > "$2" ;; *) [ "$1" -ef "$2" ] || cp "$1" "$2" ;; esac
+}
 
 case "${STEP:-}" in
 full)
@@ -42,7 +46,7 @@ peers)
   LIB=build-gpu/bench/gpu/libbsattn_bench.so
   if [ -n "${PEER_LIB:-}" ]; then
     LIB=/tmp/peer-lib.so
-    case "$PEER_LIB" in *.xz) xz -dc "$PEER_LIB" > "$LIB" ;; *) cp "$PEER_LIB" "$LIB" ;; esac
+    unpack "$PEER_LIB" "$LIB"
   fi
   log "forward, issue 14's rows"
   PYTHONUNBUFFERED=1 timeout 430 python3 bench/gpu/bench_forward.py --lib "$LIB" --rows issue14 --peers fa4,cudnn --power \
@@ -62,7 +66,7 @@ ab | bwd-ab)
   for f in ${LIBS:?LIBS: the bench libraries to compare, base first}; do
     to=$dir/$n.so
     [ $n = 0 ] && to=$dir/bench/gpu/libbsattn_bench.so
-    case "$f" in *.xz) xz -dc "$f" > "$to" ;; *) cp "$f" "$to" ;; esac
+    unpack "$f" "$to"
     [ $n = 0 ] || compare="$compare $to"
     n=$((n + 1))
   done
@@ -80,21 +84,24 @@ ab | bwd-ab)
   fi
   ;;
 paged-ab | proxy-ab)
-  # Neither benchmark has --compare: one process per library, the libraries alternated.
+  # Neither benchmark has --compare: one process per library, the libraries alternated. Their
+  # results go to a folder of their own, apart from the other steps' files under $OUT.
   bench=${STEP%-ab}
+  dir=$OUT/$STEP
+  mkdir -p "$dir"
   log "$bench A/B: $LIBS, ${ROUNDS:-2} rounds"
   for r in $(seq "${ROUNDS:-2}"); do
     for f in ${LIBS:?LIBS: the bench libraries to compare}; do
       name=$(basename "$f")
       name=${name%%.*}
-      case "$f" in *.xz) xz -dc "$f" > "/tmp/$name.so" ;; *) [ "$f" -ef "/tmp/$name.so" ] || cp "$f" "/tmp/$name.so" ;; esac
+      unpack "$f" "/tmp/$name.so"
       PYTHONUNBUFFERED=1 timeout 150 python3 "bench/gpu/bench_$bench.py" --lib "/tmp/$name.so" ${BENCH_ARGS:-} \
-        --out "$OUT/$bench-$name-$r.md" > "$OUT/$bench-$name-$r.log" 2>&1
+        --out "$dir/$bench-$name-$r.md" > "$dir/$bench-$name-$r.log" 2>&1
       echo "== $name, round $r (rc=$?)"
       if [ "$bench" = paged ]; then
-        grep -E "paged, pages of (16|64)" "$OUT/$bench-$name-$r.md" | awk -F'|' '{print $2, $3, $7}'
+        grep -E "paged, pages of (16|64)" "$dir/$bench-$name-$r.md" | awk -F'|' '{print $2, $3, $7}'
       else
-        cat "$OUT/$bench-$name-$r.md" 2>/dev/null || tail -5 "$OUT/$bench-$name-$r.log"
+        cat "$dir/$bench-$name-$r.md" 2>/dev/null || tail -5 "$dir/$bench-$name-$r.log"
       fi
     done
   done
