@@ -26,4 +26,6 @@ cmake --build "$build" -j "$(nproc)" --target bsattn_gpu_test bsattn_validation_
 # Kernels with spills (ptxas -v prints "Function properties for NAME" before each figure line).
 awk '/Function properties for/{f=$NF} /spill stores/ && !/ 0 bytes spill stores, 0 bytes spill loads/{print f ": " $0}' \
   "$build.log" | sort -u | (c++filt 2>/dev/null || cat) | cut -c1-400 | head -40 || true
+# Kernels whose wgmma ptxas serialised (C7510-C7515, an info line: about half the speed).
+grep "C751[0-9]" "$build.log" | sed 's/Potential Performance Loss: //' | (c++filt 2>/dev/null || cat) | cut -c1-400 | sort | uniq -c || true
 echo "built $build/tests/bsattn_gpu_test and $build/bench/gpu/libbsattn_bench.so"

@@ -27,6 +27,13 @@ for spec in "$@"; do
     -DBSATTN_BUILD_TOOLS=OFF -DBSATTN_GPU_DTYPES=bf16 -DBSATTN_GPU_HEAD_DIMS="${HEAD_DIMS:-128}" > "$BUILD_ROOT/$name.log" 2>&1
   cmake --build "$BUILD_ROOT/$name" -j "$JOBS" --target bsattn_bench >> "$BUILD_ROOT/$name.log" 2>&1 ||
     { grep -E "error" "$BUILD_ROOT/$name.log" | head -20; exit 1; }
+  # ptxas serialising wgmma (C7510-C7515: e.g. a register operand of a wgmma in flight written by
+  # another instruction) makes a kernel about half as fast and is only an info line: refuse it.
+  if grep -q "C751[0-9]" "$BUILD_ROOT/$name.log"; then
+    grep "C751[0-9]" "$BUILD_ROOT/$name.log" | sed 's/Potential Performance Loss: //' | (c++filt 2>/dev/null || cat) | cut -c1-400 | sort | uniq -c >&2
+    echo "$name: ptxas serialised wgmma (above); no library written" >&2
+    exit 1
+  fi
   xz -6 -T0 -c "$BUILD_ROOT/$name/bench/gpu/libbsattn_bench.so" > "$DIR/$name.so.xz"
   git worktree remove --force "$tree"
   echo "[$(date +%H:%M:%S)] $DIR/$name.so.xz"
