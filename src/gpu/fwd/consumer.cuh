@@ -261,8 +261,10 @@ __device__ __forceinline__ void run_consumers(typename WsConfig<T>::Smem& sm, co
         // itself ptxas put the wait at the start of the row max). 1-2 % on 128 x 128 tiles
         // (bench/RESULTS.md, 2026-12-03 07:05); one warpgroup has the other CTA's GEMMs instead.
         // A word per warp, stored by its lane 0 (predicated, in the same instruction stream), so
-        // that no two threads write one word.
-        if constexpr (T::kWarpgroups == 2) {
+        // that no two threads write one word. Not at D 64, where PV(i) is short and ptxas's own
+        // placement ran 1.7-1.9 % (per query head) and 3.3-3.5 % (shared pattern) faster
+        // (bench/RESULTS.md, 2026-12-07 02:3x).
+        if constexpr (T::kWarpgroups == 2 && kHeadDim > 64) {
           const int warp = tid / 32 - C::kProducerThreads / 32;  // consumer warp
           const unsigned pin = static_cast<unsigned>(__cvta_generic_to_shared(&sm.softmax_pin[warp]));
           asm volatile(
