@@ -6,7 +6,7 @@
 // Two consumer warpgroups take turns issuing their GEMM pair (ping-pong, two named barriers), so
 // that one's softmax runs under the other's GEMMs; each waits on the stage barriers and releases
 // the stages it read. Within a consumer, S(i+1) is issued before PV(i), and with two warpgroups
-// the softmax of route i+1 is pinned ahead of the wait for PV(i), so it runs under both that GEMM
+// the softmax of route i+1 is pinned (D > 64) ahead of the wait for PV(i), so it runs under both that GEMM
 // and the other warpgroup's. The epilogue goes through shared memory (O's own buffer, else the
 // last route's K/V stages) while the loader already streams the next tile and the next Q has landed.
 #pragma once

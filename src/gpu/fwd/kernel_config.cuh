@@ -38,7 +38,7 @@ struct WsConfig {
     PipelineBarriers<T::kStages, T::kWarpgroups> bars;
     Tile tile[2];  // work tiles handed from the tile warp to the loader and consumers (slot t % 2: tile t)
     SplitMerge split_merge;  // decode split-KV: the tile's merge job (merge_splits)
-    float softmax_pin[kConsumerWarps];  // written, never read: keeps the softmax ahead of the PV wait (steady_step)
+    float softmax_pin[kConsumerWarps];  // written (D > 64), never read: keeps the softmax ahead of the PV wait (steady_step)
   };
   static constexpr int kSmemLimit = (T::kCtasPerSm == 2 ? 112 : 226) * 1024;  // sizeof(Smem); + 1024 alignment
   // O's staging buffer, 64 x D per consumer warpgroup (consumer.cuh, epilogue.cuh), where shared
