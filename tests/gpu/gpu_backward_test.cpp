@@ -275,6 +275,21 @@ TEST(GpuBackward, LongerSequences) {
 }
 
 // The deterministic mode: two runs give the same bits (and match the CPU like the default mode).
+void check_deterministic(BackwardSpec spec) {
+  spec.deterministic = true;
+  auto bc = make_backward_case(spec);
+  SCOPED_TRACE(bc->c->name);
+  const GpuGradients first = run_gpu_backward(*bc);
+  const GpuGradients second = run_gpu_backward(*bc);
+  EXPECT_TRUE(first.dq == second.dq) << "dq differs between two deterministic runs";
+  EXPECT_TRUE(first.dk == second.dk) << "dk differs between two deterministic runs";
+  EXPECT_TRUE(first.dv == second.dv) << "dv differs between two deterministic runs";
+  run_cpu_backward(*bc);
+  expect_gradient_close("dq", bc->c->name, bc->dq, first.dq, q_rows(*bc->c));
+  expect_gradient_close("dk", bc->c->name, bc->dk, first.dk, kv_rows(*bc->c));
+  expect_gradient_close("dv", bc->c->name, bc->dv, first.dv, kv_rows(*bc->c));
+}
+
 TEST(GpuBackward, DeterministicRepeatsBitForBit) {
   REQUIRE_SM90();
   std::uint64_t seed = 35000;
@@ -287,19 +302,48 @@ TEST(GpuBackward, DeterministicRepeatsBitForBit) {
     spec.forward.hkv = 1;  // four heads' dQ rows from many KV tiles
     spec.forward.bq = seed % 2 ? 64 : 128;
     spec.forward.seed = seed++;
-    spec.deterministic = true;
     spec.dlse = true;
-    auto bc = make_backward_case(spec);
-    SCOPED_TRACE(bc->c->name);
-    const GpuGradients first = run_gpu_backward(*bc);
-    const GpuGradients second = run_gpu_backward(*bc);
-    EXPECT_TRUE(first.dq == second.dq) << "dq differs between two deterministic runs";
-    EXPECT_TRUE(first.dk == second.dk) << "dk differs between two deterministic runs";
-    EXPECT_TRUE(first.dv == second.dv) << "dv differs between two deterministic runs";
-    run_cpu_backward(*bc);
-    expect_gradient_close("dq", bc->c->name, bc->dq, first.dq, q_rows(*bc->c));
-    expect_gradient_close("dk", bc->c->name, bc->dk, first.dk, kv_rows(*bc->c));
-    expect_gradient_close("dv", bc->c->name, bc->dv, first.dv, kv_rows(*bc->c));
+    check_deterministic(spec);
+  }
+}
+
+// D 64 with Q tiles of 128 and 256 rows: the kernel of 128-row steps (backward_step_rows), whose
+// dQ warpgroups split the step's rows (a sequence's last step may leave the second warpgroup's
+// rows past the sequence: nothing of them may be added). Every mask, batched and varlen, odd
+// lengths, GQA; and its deterministic order bit for bit.
+TEST(GpuBackward, HeadDim64StepsOf128Rows) {
+  REQUIRE_SM90();
+  std::uint64_t seed = 39000;
+  for (int mask = 0; mask <= 5; ++mask)
+    for (int varlen = 0; varlen < 2; ++varlen) {
+      BackwardSpec spec;
+      spec.forward.format = varlen ? Format::varlen_block_lists : Format::bitmask;
+      spec.forward.varlen = varlen;
+      spec.forward.mask = mask;
+      spec.forward.head_dim = 64;
+      spec.forward.density = 0.8;
+      spec.forward.max_seqlen = 500;
+      spec.forward.bq = mask % 2 ? 256 : 128;
+      spec.forward.bk = 128;
+      spec.forward.hq = 4;
+      spec.forward.hkv = 2;
+      spec.forward.seed = seed++;
+      spec.dlse = mask % 2 == 0;
+      check_backward(spec);
+    }
+  for (const Sweep& s : kSweeps) {
+    BackwardSpec spec;
+    spec.forward.format = s.format;
+    spec.forward.varlen = s.varlen;
+    spec.forward.head_dim = 64;
+    spec.forward.max_seqlen = 700;
+    spec.forward.hq = 4;
+    spec.forward.hkv = 1;
+    spec.forward.bq = 128;
+    spec.forward.bk = 128;
+    spec.forward.seed = seed++;
+    spec.dlse = true;
+    check_deterministic(spec);
   }
 }
 
@@ -385,7 +429,8 @@ TEST(GpuBackward, BadInputWritesNothing) {
 // The backward kernels' index logic, on the host: the column stream built by column_entry() in
 // ascending Q-tile order (what the warp ballot of build_columns_kernel appends), every CTA's
 // StepWalk (with the kernel's early exit), against the steps the row-major routes imply: each
-// (route, 64-row step whose units take the route) walked exactly once by the CTA of its KV tile
+// (route, step whose units take the route; steps of 64 rows, and of 128 where route tiles are
+// multiples of 128, as D 64's kernel walks them) walked exactly once by the CTA of its KV tile
 // and KV head, every route position of a row seen (so the deterministic dQ semaphores reach
 // the route count), and the last step of each column entry recognised without the next one.
 TEST(GpuBackwardHost, ColumnWalkCoversEveryRouteOnce) {
@@ -443,64 +488,68 @@ TEST(GpuBackwardHost, ColumnWalkCoversEveryRouteOnce) {
         }
       }
 
-      // (b, head, q_tile, kv_tile, sub, rows, masked, position)
-      using StepKey = std::tuple<int, int, int, int, int, int, int, int>;
-      std::multiset<StepKey> walked, expected;
-      for (int b = 0; b < p.batch; ++b) {
-        const route::SeqInfo si = route::seq_info(p, b);
-        const int owned = p.varlen_kv ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : si.seqlen_kv;
-        for (int hkv = 0; hkv < p.heads_kv; ++hkv)
-          for (int kv_tile = 0; kv_tile < kv_tiles; ++kv_tile) {
-            const int k0 = kv_tile * p.tile_n, n_valid = std::max(0, std::min(p.tile_n, si.seqlen_kv - k0));
-            if (k0 >= owned && n_valid == 0) continue;  // the kernel's early exit
-            if (n_valid == 0) continue;                  // it walks nothing then (stores zeros)
-            const StepWalk walk = StepWalk::for_cta(p, column_entries.data(), column_counts.data(), kv_tiles, b, hkv,
-                                                    kv_tile, si.seqlen_q);
-            // The launch order's block -> CTA mapping and its work: the column entries walked.
-            const int item = (b * p.heads_kv + hkv) * kv_tiles + kv_tile;
-            const bsattn::gpu::bwd::Cta cta = bsattn::gpu::bwd::Cta::of(item, kv_tiles, p.heads_kv);
-            EXPECT_TRUE(cta.b == b && cta.hkv == hkv && cta.kv_tile == kv_tile) << "item " << item;
-            std::set<std::pair<int, int>> entries;  // (head, record)
-            bsattn::gpu::bwd::Step s;
-            for (bool ok = walk.first(s); ok;) {
-              entries.insert({s.head, s.record});
-              EXPECT_EQ(s.q0, s.route.q_tile * p.tile_m + s.sub * 64);
-              EXPECT_EQ(s.units, walk.step_units(s.sub));
-              walked.insert({b, s.head, s.route.q_tile, kv_tile, s.sub, s.route.rows, s.route.masked, s.route.position});
-              // The consumers' own test for the end of a column entry (the deterministic dQ
-              // order) against the walk's next step.
-              bsattn::gpu::bwd::Step next = s;
-              const bool more = walk.next(next);
-              EXPECT_EQ(walk.last_of_record(s), !more || next.head != s.head || next.record != s.record);
-              s = next;
-              ok = more;
-            }
-            const auto work = bsattn::gpu::bwd::CtaWork::of(p, kv_tiles, column_counts.data());
-            EXPECT_EQ(work(item), static_cast<int>(entries.size())) << "CTA work of item " << item;
-            EXPECT_LE(work(item), work.order_groups().max_count);
-          }
-        const StepWalk units = StepWalk::for_cta(p, nullptr, nullptr, kv_tiles, b, 0, 0, si.seqlen_q);
-        for (int h = 0; h < p.heads_q; ++h) {
-          const int hs = h / (p.heads_q / p.sparsity_heads);
-          for (int q_tile = 0; q_tile * p.tile_m < si.seqlen_q; ++q_tile) {
-            const int row = (b * p.sparsity_heads + hs) * p.max_q_tiles + q_tile;
-            for (int i = 0; i < counts[row]; ++i) {
-              const route::Route& r = routes[static_cast<std::size_t>(row) * capacity + i];
-              bool any = false;
-              for (int sub = 0; sub * 64 < p.tile_m; ++sub) {
-                const int q0 = q_tile * p.tile_m + sub * 64;
-                if (q0 >= si.seqlen_q || !(r.rows & units.step_units(sub))) continue;
-                expected.insert({b, h, q_tile, r.index, sub, r.rows, r.masked, i});
-                any = true;
+      for (const int step_rows : {64, 128}) {
+        if (p.tile_m % step_rows != 0) continue;
+        SCOPED_TRACE(step_rows);
+        // (b, head, q_tile, kv_tile, sub, rows, masked, position)
+        using StepKey = std::tuple<int, int, int, int, int, int, int, int>;
+        std::multiset<StepKey> walked, expected;
+        for (int b = 0; b < p.batch; ++b) {
+          const route::SeqInfo si = route::seq_info(p, b);
+          const int owned = p.varlen_kv ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : si.seqlen_kv;
+          for (int hkv = 0; hkv < p.heads_kv; ++hkv)
+            for (int kv_tile = 0; kv_tile < kv_tiles; ++kv_tile) {
+              const int k0 = kv_tile * p.tile_n, n_valid = std::max(0, std::min(p.tile_n, si.seqlen_kv - k0));
+              if (k0 >= owned && n_valid == 0) continue;  // the kernel's early exit
+              if (n_valid == 0) continue;                  // it walks nothing then (stores zeros)
+              const StepWalk walk = StepWalk::for_cta(p, column_entries.data(), column_counts.data(), kv_tiles, b, hkv,
+                                                      kv_tile, si.seqlen_q, step_rows);
+              // The launch order's block -> CTA mapping and its work: the column entries walked.
+              const int item = (b * p.heads_kv + hkv) * kv_tiles + kv_tile;
+              const bsattn::gpu::bwd::Cta cta = bsattn::gpu::bwd::Cta::of(item, kv_tiles, p.heads_kv);
+              EXPECT_TRUE(cta.b == b && cta.hkv == hkv && cta.kv_tile == kv_tile) << "item " << item;
+              std::set<std::pair<int, int>> entries;  // (head, record)
+              bsattn::gpu::bwd::Step s;
+              for (bool ok = walk.first(s); ok;) {
+                entries.insert({s.head, s.record});
+                EXPECT_EQ(s.q0, s.route.q_tile * p.tile_m + s.sub * step_rows);
+                EXPECT_EQ(s.units, walk.step_units(s.sub));
+                walked.insert({b, s.head, s.route.q_tile, kv_tile, s.sub, s.route.rows, s.route.masked, s.route.position});
+                // The consumers' own test for the end of a column entry (the deterministic dQ
+                // order) against the walk's next step.
+                bsattn::gpu::bwd::Step next = s;
+                const bool more = walk.next(next);
+                EXPECT_EQ(walk.last_of_record(s), !more || next.head != s.head || next.record != s.record);
+                s = next;
+                ok = more;
               }
-              EXPECT_TRUE(any) << "route " << i << " of row " << row << " has no step: its dQ position would never be released";
+              const auto work = bsattn::gpu::bwd::CtaWork::of(p, kv_tiles, column_counts.data());
+              EXPECT_EQ(work(item), static_cast<int>(entries.size())) << "CTA work of item " << item;
+              EXPECT_LE(work(item), work.order_groups().max_count);
+            }
+          const StepWalk units = StepWalk::for_cta(p, nullptr, nullptr, kv_tiles, b, 0, 0, si.seqlen_q, step_rows);
+          for (int h = 0; h < p.heads_q; ++h) {
+            const int hs = h / (p.heads_q / p.sparsity_heads);
+            for (int q_tile = 0; q_tile * p.tile_m < si.seqlen_q; ++q_tile) {
+              const int row = (b * p.sparsity_heads + hs) * p.max_q_tiles + q_tile;
+              for (int i = 0; i < counts[row]; ++i) {
+                const route::Route& r = routes[static_cast<std::size_t>(row) * capacity + i];
+                bool any = false;
+                for (int sub = 0; sub * step_rows < p.tile_m; ++sub) {
+                  const int q0 = q_tile * p.tile_m + sub * step_rows;
+                  if (q0 >= si.seqlen_q || !(r.rows & units.step_units(sub))) continue;
+                  expected.insert({b, h, q_tile, r.index, sub, r.rows, r.masked, i});
+                  any = true;
+                }
+                EXPECT_TRUE(any) << "route " << i << " of row " << row << " has no step: its dQ position would never be released";
+              }
             }
           }
         }
+        EXPECT_EQ(walked.size(), expected.size());
+        EXPECT_TRUE(walked == expected) << "the column walk differs from the row-major routes";
+        total_steps += walked.size();
       }
-      EXPECT_EQ(walked.size(), expected.size());
-      EXPECT_TRUE(walked == expected) << "the column walk differs from the row-major routes";
-      total_steps += walked.size();
     }
   EXPECT_GT(total_steps, 0u);
 }

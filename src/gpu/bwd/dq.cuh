@@ -1,4 +1,4 @@
-// dQ of one step: dQ = dS K (64 x D x kBlockN, from shared memory), added into the fp32
+// dQ of one step: dQ = dS K (kStepRows x D x kBlockN, from shared memory), added into the fp32
 // accumulator (dq_accum; tiled where steps start at multiples of 64, dq_tiles.hpp, else
 // [q_rows][Hq][D]; scaled and rounded by the conversion kernel in rows.cuh). Into the tiled
 // accumulator each dQ warp stages its rows' block in shared memory (T::kDqBulk: 16-byte stores in
@@ -60,7 +60,7 @@ constexpr bool standard_fragment(Layout layout) {
   return true;
 }
 
-// dQ = dS K of the step into `acc` (a fragment of T::MmaDQ over 64 x D), issued as one wgmma
+// dQ = dS K of the step into `acc` (a fragment of T::MmaDQ over kStepRows x D), issued as one wgmma
 // group and not waited for: the caller waits where it needs the result. Run by the dQ warpgroups;
 // `slice`: 128 x the dQ warpgroup's index, warp-uniform (its operands depend on the warpgroup
 // alone, so their descriptors stay in uniform registers). dS is in shared memory (st.ds[ds_buffer]).
@@ -113,7 +113,7 @@ __device__ __forceinline__ bool dq_bulk_leader(int dq_tid) { return dq_tid % 32 
 // the accumulator, as add_dq returned it.
 template <class T>
 __device__ __forceinline__ void issue_staged_dq(typename T::SharedStorage& st, float* dst, int dq_tid) {
-  constexpr int kColumns = T::kHeadDim / T::kDqWarpgroups, kRegion = 64 * kColumns;
+  constexpr int kColumns = T::kDqColumns, kRegion = 64 * kColumns;
   const int region = dq_tid / 128, lane = dq_tid % 128;
   cutlass::arch::fence_view_async_shared();  // the stores before the bulk reduction reads them
   __syncwarp();                              // the warp's staged block, fenced by each lane
@@ -126,17 +126,20 @@ __device__ __forceinline__ void issue_staged_dq(typename T::SharedStorage& st, f
 // order when asked. With bulk adds the stage must be free: the caller's leaders waited for their
 // previous reductions' reads (fwd::bulk_store_wait<true>) before a barrier of both consumers.
 // Returns, where the block is staged for a bulk reduction in the default order, its destination:
-// the caller issues it (issue_staged_dq) a step later; else nullptr (added here).
+// the caller issues it (issue_staged_dq) a step later; else nullptr (added here, or nothing to
+// add). A dQ warpgroup's region is 64 rows by kDqColumns columns of the step: with 128-row steps
+// (T::kDqSplitRows) its own 64-row tile, which it skips when those rows lie past the sequence (the
+// next tile of the accumulator is another sequence's, or past its end).
 template <class T, class Acc>
 __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStorage& st, const Step& step,
                                          const BackwardWorkspace& ws, std::int64_t packed_base,
                                          const AttentionParams& a, const route::SeqInfo& si, int b,
                                          bool deterministic, bool record_done, int dq_tid) {
   constexpr int kHeadDim = T::kHeadDim, kThreads = 128 * T::kDqWarpgroups;
-  constexpr int kColumns = kHeadDim / T::kDqWarpgroups, kRegion = 64 * kColumns;  // a warpgroup's region
+  constexpr int kColumns = T::kDqColumns, kRegion = 64 * kColumns;  // a warpgroup's region
   typename T::MmaDQ mma;
   auto thr = mma.get_thread_slice(dq_tid);
-  Tensor c = thr.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+  Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<T::kStepRows>, Int<kHeadDim>>{}));
   static_assert(decltype(size(acc))::value % 4 == 0 &&
                     cute::is_same_v<std::decay_t<decltype(stride<0, 0>(c.layout()))>, std::decay_t<decltype(E<1>{})>>,
                 "adjacent fragment values are adjacent columns of one row");
@@ -145,6 +148,7 @@ __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStora
   const route::RouteParams& p = a.route;
   const bool tiled = ws.geometry.dq_tiles > 0, bulk = T::kDqBulk && tiled;
   const int region = dq_tid / 128, lane = dq_tid % 128;
+  const bool rows_in_sequence = !T::kDqSplitRows || step.q0 + 64 * region < si.seqlen_q;  // warpgroup-uniform
   const auto tile_region = [&] {  // the warpgroup's region of the step's tile in the accumulator
     const std::int64_t tile = (dq_padded_start(p, b) + step.q0) / 64;
     return ws.dq_accum + dq_tile_offset(ws.geometry.dq_tiles, step.head, tile, kHeadDim) + region * kRegion;
@@ -156,7 +160,7 @@ __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStora
       CUTE_UNROLL
       for (int j = 0; j < size(acc) / 4; ++j)
         *reinterpret_cast<float4*>(staged + j * 128) = make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
-      if (!deterministic) return tile_region() + block;
+      if (!deterministic) return rows_in_sequence ? tile_region() + block : nullptr;
       cutlass::arch::fence_view_async_shared();  // the stores before the bulk reduction reads them
     }
   }
@@ -176,7 +180,8 @@ __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStora
   if (tiled) {
     float* dst = tile_region();
     if constexpr (T::kDqBulk) {
-      if (dq_bulk_leader(dq_tid)) bulk_reduce_add(dst + block, st.dq.data + region * kRegion + block, 16 * kColumns * 4);
+      if (dq_bulk_leader(dq_tid) && rows_in_sequence)
+        bulk_reduce_add(dst + block, st.dq.data + region * kRegion + block, 16 * kColumns * 4);
     } else {
       // The fragment's values in order, 16 bytes per reduction, no predicates (rows past the
       // sequence hold zeros or are never converted: dq_tiles.hpp).
@@ -184,7 +189,7 @@ __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStora
       for (int j = 0; j < size(acc) / 4; ++j)
         red_add_v4(dst + dq_fragment_offset(lane, j, kColumns), acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
     }
-  } else {
+  } else if constexpr (!T::kDqSplitRows) {  // 128-row steps have tile_m % 128 == 0: always tiled
     add_dq_rows<T>(acc, c, step, ws, packed_base, p, si);
   }
   if (deterministic && record_done) {

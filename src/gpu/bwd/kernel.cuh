@@ -1,6 +1,6 @@
 // The SM90 backward kernel. One CTA per (KV tile, KV head, batch): K and V stay in shared memory
 // while the CTA walks, for every query head of the KV head's group, the Q tiles that attend this
-// KV tile (the column stream, steps.cuh) in steps of 64 rows. Warp specialised:
+// KV tile (the column stream, steps.cuh) in steps of T::kStepRows rows. Warp specialised:
 //  * the producer warpgroup (loader.cuh) walks the steps and loads each step's Q, dO (TMA), LSE
 //    and delta into a free stage, up to kStages steps ahead of the consumers;
 //  * two consumer warpgroups compute, per step, the scores S and dP (traits.cuh: with 128-wide
@@ -105,7 +105,7 @@ __device__ __forceinline__ auto query_major_of(Tensor_&& t, std::false_type) {
 template <class T>
 __device__ __forceinline__ auto score_coordinates() {
   if constexpr (T::kOwnRows)
-    return make_coord_tensor(make_layout(Shape<Int<T::kBlockN>, _64>{}, make_stride(E<1>{}, E<0>{})));
+    return make_coord_tensor(make_layout(Shape<Int<T::kBlockN>, Int<T::kStepRows>>{}, make_stride(E<1>{}, E<0>{})));
   else
     return make_identity_tensor(Shape<_64, Int<T::kBlockN>>{});
 }
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Element = typename T::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
-  constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages;
+  constexpr int kBlockN = T::kBlockN, kHeadDim = T::kHeadDim, kStages = T::kStages, kStepRows = T::kStepRows;
   extern __shared__ char smem_raw[];
   const unsigned smem_base = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
   auto& st = *reinterpret_cast<typename T::SharedStorage*>(smem_raw + ((1024u - smem_base % 1024u) % 1024u));
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   __syncthreads();
 
   const StepWalk walk =
-      StepWalk::for_cta(p, ws.columns, ws.column_counts, max_kv_tiles, b, hkv, kv_tile, si.seqlen_q);
+      StepWalk::for_cta(p, ws.columns, ws.column_counts, max_kv_tiles, b, hkv, kv_tile, si.seqlen_q, T::kStepRows);
   if (__shfl_sync(0xffffffffu, tid / 128, 0) == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     produce_steps<T>(st, g, maps, ws, walk, b, si, k0, n_valid, hkv, tid);
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   clear(acc_dkv);
   if constexpr (T::kOwnRows) clear(acc_dk);
   const float scale_log2 = a.scale * float(M_LOG2E);
-  using ScoreShape = std::conditional_t<T::kOwnRows, Shape<Int<kBlockN>, _64>, Shape<_64, Int<kBlockN>>>;
+  using ScoreShape = std::conditional_t<T::kOwnRows, Shape<Int<kBlockN>, Int<kStepRows>>, Shape<_64, Int<kBlockN>>>;
   const auto query_major = [](auto&& t) { return query_major_of(t, std::bool_constant<T::kOwnRows>{}); };
   Barrier::wait(&st.kv_full, 0);
   float* staged_dq = nullptr;  // the previous step's staged dQ block, to be bulk-added (add_dq)
@@ -232,11 +232,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     Tensor cS = thr_sdp.partition_C(score_coordinates<T>());
     Tensor c_rc = query_major(make_tensor(cS.data(), fwd::acc_rowcol(cS.layout())));
     const ColumnRoute& route = step.route;
-    if ((route.masked & units) != 0 || (route.rows & units) != units || step.q0 + 64 > si.seqlen_q ||
+    if ((route.masked & units) != 0 || (route.rows & units) != units || step.q0 + kStepRows > si.seqlen_q ||
         n_valid < kBlockN) {
       fwd::RouteMask m;
       m.q_begin = step.q0;
-      m.tile_row0 = step.sub * 64;
+      m.tile_row0 = step.sub * kStepRows;
+      m.token_mask = kStepRows - 1;
       m.k0 = k0;
       m.n_valid = n_valid;
       m.rows = route.rows;
@@ -313,15 +314,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       else issue_dkv_gemm<T>(st.ds[buffer], st.q, stage, acc_dkv);
     };
     if constexpr (T::kDqFirst) {
-      Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
+      Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<Int<kStepRows>, Int<kHeadDim>>{});
       issue_dq_gemm<T>(st, buffer, acc_dq, (warpgroup - T::kDqWarpgroup0) * 128);
       issue_dkv();
       warpgroup_wait<1>();
       add_dq_after(acc_dq);
     } else if constexpr (T::kDqWarpgroups == 1) {
-      // D 64: consumer 1 alone computes dQ; it issues dQ first and adds under its dK GEMM.
+      // D 64, 64-row steps: consumer 1 alone computes dQ; it issues dQ first and adds under its dK GEMM.
       if (dq_warpgroup) {
-        Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
+        Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<Int<kStepRows>, Int<kHeadDim>>{});
         issue_dq_gemm<T>(st, buffer, acc_dq, (warpgroup - T::kDqWarpgroup0) * 128);
         issue_dkv();
         warpgroup_wait<1>();
@@ -332,7 +333,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     } else {
       // D 256: dK / dV first (registers: dQ's 64 accumulators beside dK / dV's 128).
       issue_dkv();
-      Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<_64, Int<kHeadDim>>{});
+      Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<Int<kStepRows>, Int<kHeadDim>>{});
       issue_dq_gemm<T>(st, buffer, acc_dq, (warpgroup - T::kDqWarpgroup0) * 128);
       warpgroup_wait<0>();
       add_dq_after(acc_dq);

@@ -1,7 +1,7 @@
 // The producer of the backward CTA: its warpgroup walks the CTA's steps (steps.cuh) and loads the
-// KV tile's K and V once (cp.async), then per step the 64 rows of Q and dO into the next free
-// stage, by TMA (thread 0: D/64 boxes of 64 x 64 per tensor, the 128-byte swizzled layout the
-// wgmma descriptors read) where the step's rows all lie in the sequence, else by cp.async (16
+// KV tile's K and V once (cp.async), then per step the kStepRows rows of Q and dO into the next
+// free stage, by TMA (thread 0: boxes of 64 x 64, the 128-byte swizzled layout the wgmma
+// descriptors read) where the step's rows all lie in the sequence, else by cp.async (16
 // bytes per thread and copy), and its LSE and delta by cp.async; the stage completes on its
 // mbarrier. cp.async zero-fills rows past the sequence (or the KV tile): a neighbouring sequence's
 // rows would reach dK / dV through a zero P. TMA keeps the step's loads out of the load/store
@@ -61,22 +61,27 @@ struct StepMaps {
   int tma;
 };
 
-// Q and dO of one step into `stage` by TMA (the step has 64 rows in the sequence and the maps
-// exist), by thread 0: it expects the boxes' bytes on the stage's barrier, which is its arrival
-// there (the caller wrote the step first), and issues D/64 boxes of 64 x 64 per tensor.
+// Q and dO of one step into `stage` by TMA (the step has kStepRows rows in the sequence and the
+// maps exist), by thread 0: it expects the boxes' bytes on the stage's barrier, which is its
+// arrival there (the caller wrote the step first), and issues (kStepRows / 64) x (D / 64) boxes of
+// 64 x 64 per tensor (SmemLayoutQ: rows first, then 64-column blocks, then stages).
 template <class T>
 __device__ __forceinline__ void issue_step_tma(typename T::SharedStorage& st, const AttentionParams& a,
                                                const StepMaps& maps, int b, const route::SeqInfo& si, const Step& s,
                                                int stage) {
   constexpr int kHeadDim = T::kHeadDim;
   const int token = (a.route.varlen_q ? static_cast<int>(si.q_base) : 0) + s.q0;
-  fwd::arrive_expect_tx(&st.full[stage], 2 * 64 * kHeadDim * sizeof(typename T::Element));
+  constexpr int kStepRows = T::kStepRows;
+  fwd::arrive_expect_tx(&st.full[stage], 2 * kStepRows * kHeadDim * sizeof(typename T::Element));
   const int batch = a.route.varlen_q ? 0 : b;
   CUTE_UNROLL
   for (int c = 0; c < kHeadDim / 64; ++c) {
-    const int offset = (stage * kHeadDim + c * 64) * 64;  // the stage's 64 x 64 block c
-    fwd::tma_load_4d(st.q + offset, &maps.q, &st.full[stage], c * 64, token, s.head, batch);
-    fwd::tma_load_4d(st.dout + offset, &maps.dout, &st.full[stage], c * 64, token, s.head, batch);
+    CUTE_UNROLL
+    for (int h = 0; h < kStepRows / 64; ++h) {
+      const int offset = (stage * kHeadDim + c * 64) * kStepRows + h * 64 * 64;  // rows 64 h.., columns 64 c..
+      fwd::tma_load_4d(st.q + offset, &maps.q, &st.full[stage], c * 64, token + 64 * h, s.head, batch);
+      fwd::tma_load_4d(st.dout + offset, &maps.dout, &st.full[stage], c * 64, token + 64 * h, s.head, batch);
+    }
   }
 }
 
@@ -92,17 +97,19 @@ __device__ __forceinline__ void load_step(typename T::SharedStorage& st, const B
   using Element = typename T::Element;
   const AttentionParams& a = g.fwd;
   __builtin_assume(tid >= 0 && tid < T::kProducerThreads);  // shifts, not signed division sequences
-  const int rows = min(64, si.seqlen_q - s.q0);
+  constexpr int kStepRows = T::kStepRows;
+  const int rows = min(kStepRows, si.seqlen_q - s.q0);
   if (!tma) {
     Tensor sQ = make_tensor(make_smem_ptr(st.q), typename T::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(st.dout), typename T::SmemLayoutQ{});
-    load_strided_rows<T, 64>(sQ(_, _, stage), static_cast<const Element*>(a.q) + a.q_offset(b, si, s.q0, s.head),
-                             a.q_token_stride, rows, tid);
-    load_strided_rows<T, 64>(sdO(_, _, stage),
+    load_strided_rows<T, kStepRows>(sQ(_, _, stage),
+                                    static_cast<const Element*>(a.q) + a.q_offset(b, si, s.q0, s.head),
+                                    a.q_token_stride, rows, tid);
+    load_strided_rows<T, kStepRows>(sdO(_, _, stage),
                              static_cast<const Element*>(g.dout) + g.q_like_offset(g.dout_strides, b, si, s.q0, s.head),
                              g.dout_strides.token, rows, tid);
   }
-  static_assert(T::kProducerThreads == 128, "a thread per LSE and delta value");
+  static_assert(T::kProducerThreads == 128, "a thread per 64 rows' LSE or delta value");
   const int r = tid % 64;
   // The value's index in 32 bits: Hq x q_rows floats sit in the workspace beside the fp32 dQ
   // accumulator's D times as many, far below 2^32 (64-bit, it was a wide multiply-add chain).
@@ -110,7 +117,9 @@ __device__ __forceinline__ void load_step(typename T::SharedStorage& st, const B
       static_cast<unsigned>(a.route.varlen_q ? si.q_base : static_cast<std::int64_t>(b) * a.route.max_seqlen_q);
   const unsigned row = static_cast<unsigned>(s.head) * static_cast<unsigned>(q_rows) + packed0 + s.q0 + r;
   const float* src = (tid < 64 ? lse_log2 : delta) + row;
-  cp_async_4(tid < 64 ? &st.lse_log2[stage][r] : &st.delta[stage][r], r < rows ? src : lse_log2, r < rows);
+  float* dst = tid < 64 ? st.lse_log2[stage] : st.delta[stage];
+  CUTE_UNROLL
+  for (int h = 0; h < kStepRows; h += 64) cp_async_4(dst + r + h, r + h < rows ? src + h : lse_log2, r + h < rows);
 }
 
 // The producer warpgroup (ptid: its thread index). Its first warp walks the steps: thread 0
@@ -135,7 +144,7 @@ __device__ __forceinline__ void produce_steps(typename T::SharedStorage& st, con
   const auto load = [&](const Step& step, int stage, bool tma) {
     load_step<T>(st, g, tma, b, si, step, stage, ws.lse_log2, ws.delta, ws.geometry.q_rows, fwd::opaque_thread_index());
   };
-  const auto by_tma = [&](const Step& step) { return maps.tma && step.q0 + 64 <= si.seqlen_q; };
+  const auto by_tma = [&](const Step& step) { return maps.tma && step.q0 + T::kStepRows <= si.seqlen_q; };
   if (__shfl_sync(0xffffffffu, ptid / 32, 0) != 0) {
     for (int i = 0;; ++i) {
       const int stage = i % T::kStages;

@@ -1,13 +1,21 @@
 // The walk of one backward CTA (batch b, KV head hkv, KV tile): for each query head of the KV
 // head's group, the column of its sparsity head, and in each column entry (a Q tile that takes
-// this KV tile) the 64-row steps whose units take the route. Every thread walks it alike (host
-// code too: the host tests check the walk against the row-major routes).
+// this KV tile) the steps (step_rows query rows: 64, or 128 by backward_step_rows) whose units
+// take the route. Every thread walks it alike (host code too: the host tests check the walk
+// against the row-major routes).
 #pragma once
 #include "bsattn/attention_params.hpp"
 #include "gpu/backward.hpp"
 #include "gpu/prepare_routes.hpp"
 
 namespace bsattn::gpu::bwd {
+
+// Query rows per step of the kernel of KV tile width block_n: 128 where that is 128 and D is 64
+// (FlashAttention-3's tile for D 64: N = 128 score GEMMs and half the steps, whose fixed costs
+// weigh more beside D 64's GEMMs) and the route's Q tiles are whole steps; else 64.
+BSATTN_HD constexpr int backward_step_rows(int head_dim, int block_n, int tile_m) {
+  return head_dim == 64 && block_n == 128 && tile_m % 128 == 0 ? 128 : 64;
+}
 
 // The CTA a block runs: item (b * Hkv + hkv) * max_kv_tiles + kv_tile, KV tile fastest (the
 // block order of deterministic mode).
@@ -40,7 +48,7 @@ struct CtaExtent : Cta {
 };
 
 // A CTA's work for the launch order (work_order.cuh): the column entries its walk visits, over the
-// query heads of its KV head's group (each entry is one or tile_m / 64 steps alike).
+// query heads of its KV head's group (each entry is one or tile_m / step_rows steps alike).
 struct CtaWork {
   const std::int32_t* counts;  // column counts
   int max_kv_tiles, heads_kv, sparsity_heads, group, heads_per_sparsity_head, max_q_tiles;
@@ -66,7 +74,7 @@ struct CtaWork {
 struct Step {
   int head;    // query head
   int record;  // entry of the head's column
-  int sub;     // 64-row step of the Q tile
+  int sub;     // step of the Q tile (step_rows rows)
   ColumnRoute route;
   int q0;      // first query row of the step (sequence-local)
   unsigned units;  // the Q tile's units that overlap the step's rows (step_units: a division the
@@ -80,11 +88,12 @@ struct StepWalk {
   int max_kv_tiles, capacity;
   int head_begin, head_end, heads_per_sparsity_head;
   int tile_m, unit_m, seqlen_q;
+  int step_rows;  // query rows per step: 64, or 128 (a divisor of tile_m)
 
   // The walk of the CTA (b, hkv, kv_tile) over a column stream of max_kv_tiles tiles per
   // (b, hs) and p.max_q_tiles entries per column.
   BSATTN_HD static StepWalk for_cta(const route::RouteParams& p, const ColumnRoute* columns, const std::int32_t* counts,
-                                    int max_kv_tiles, int b, int hkv, int kv_tile, int seqlen_q) {
+                                    int max_kv_tiles, int b, int hkv, int kv_tile, int seqlen_q, int step_rows) {
     StepWalk w;
     w.columns = columns;
     w.counts = counts;
@@ -98,22 +107,24 @@ struct StepWalk {
     w.tile_m = p.tile_m;
     w.unit_m = p.unit_m;
     w.seqlen_q = seqlen_q;
+    w.step_rows = step_rows;
     return w;
   }
 
-  // Units of the Q tile (unit_m rows each) that overlap step `sub`'s 64 rows. Unsigned: signed
+  // Units of the Q tile (unit_m rows each) that overlap step `sub`'s rows. Unsigned: signed
   // divisions by the runtime unit_m add sign fix-ups to the producer's every step.
   BSATTN_HD unsigned step_units(int sub) const {
-    const unsigned row = 64u * static_cast<unsigned>(sub), unit = static_cast<unsigned>(unit_m);
-    const unsigned first = row / unit, last = (row + 63u) / unit;
+    const unsigned rows = static_cast<unsigned>(step_rows), unit = static_cast<unsigned>(unit_m);
+    const unsigned row = rows * static_cast<unsigned>(sub);
+    const unsigned first = row / unit, last = (row + rows - 1u) / unit;
     return ((2u << last) - 1u) & ~((1u << first) - 1u);
   }
 
-  // The first 64-row step at or after `sub` of column entry r whose rows start in the sequence
-  // and take the route; -1 if none.
+  // The first step at or after `sub` of column entry r whose rows start in the sequence and take
+  // the route; -1 if none.
   BSATTN_HD int next_sub(const ColumnRoute& r, int sub) const {
-    for (; sub * 64 < tile_m; ++sub) {
-      if (r.q_tile * tile_m + sub * 64 >= seqlen_q) break;
+    for (; sub * step_rows < tile_m; ++sub) {
+      if (r.q_tile * tile_m + sub * step_rows >= seqlen_q) break;
       if (r.rows & step_units(sub)) return sub;
     }
     return -1;
@@ -122,7 +133,7 @@ struct StepWalk {
   BSATTN_HD bool take(Step& s, const ColumnRoute& r, int sub) const {
     s.route = r;
     s.sub = sub;
-    s.q0 = r.q_tile * tile_m + sub * 64;
+    s.q0 = r.q_tile * tile_m + sub * step_rows;
     s.units = step_units(sub);
     return true;
   }
@@ -141,7 +152,7 @@ struct StepWalk {
     }
     return false;
   }
-  // Whether s is the last step of its column entry (no later 64-row step of the Q tile lies in
+  // Whether s is the last step of its column entry (no later step of the Q tile lies in
   // the sequence and takes the route): the deterministic dQ order moves on after it.
   BSATTN_HD bool last_of_record(const Step& s) const { return next_sub(s.route, s.sub + 1) < 0; }
   BSATTN_HD bool first(Step& s) const {

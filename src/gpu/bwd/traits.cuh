@@ -1,14 +1,16 @@
 // Tile configuration of the SM90 backward kernel: one CTA holds a KV tile (kBlockN tokens of K
-// and V, resident) and walks the Q tiles that attend it in steps of 64 query rows. A producer
-// warpgroup (the walk and the loads) and two consumer warpgroups. The five GEMMs:
+// and V, resident) and walks the Q tiles that attend it in steps of kStepRows query rows (64; 128
+// at D 64 where route tiles are multiples of 128). A producer warpgroup (the walk and the loads)
+// and two consumer warpgroups. The five GEMMs (M = kStepRows):
 //   kBlockN 128 (kOwnRows): each consumer owns 64 KV rows and computes its scores transposed,
-//       S^T = K Q^T and dP^T = V dO^T as 64 KV rows x 64 query rows, so that P^T and dS^T, in
-//       its registers, are the A operands of dV += P^T dO and dK += dS^T Q (64 x D x 64, register
+//       S^T = K Q^T and dP^T = V dO^T as 64 KV rows x M query rows, so that P^T and dS^T, in
+//       its registers, are the A operands of dV += P^T dO and dK += dS^T Q (64 x D x M, register
 //       A): P never goes to shared memory, and dS goes there once, transposed, for dQ;
 //   kBlockN 64: S = Q K^T and dP = dO V^T (64 x 64, the consumers split the KV columns), P and dS
 //       to shared memory; consumer 0 computes dV, consumer 1 dK (64 x D x 64), each from both
 //       consumers' P or dS;
-//   dQ  = dS K                64 x D x kBlockN, the consumers split D (D >= 128) or consumer 1.
+//   dQ  = dS K                M x D x kBlockN: 128-row steps split the rows over the consumers,
+//       64-row steps split D (D >= 128) or leave it to consumer 1.
 // Shared operands use 128-byte swizzles; the transposed operands are views of the same bytes (a
 // K-major tile read as the MN-major operand), so Q and dO are loaded once per step.
 #pragma once
@@ -46,12 +48,12 @@ struct SmemArray {
 template <class E>
 struct SmemArray<E, 0> {};
 
-template <class Element_, int kHeadDim_, int kBlockN_>
+template <class Element_, int kHeadDim_, int kBlockN_, int kStepRows_ = 64>
 struct Traits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kBlockM = 64;  // query rows per step
+  static constexpr int kStepRows = kStepRows_;  // query rows per step
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
@@ -63,8 +65,13 @@ struct Traits {
   static_assert(fwd::register_split_fits(kProducerThreads, kProducerRegs, kConsumerThreads, kConsumerRegs),
                 "the consumers' registers exceed the CTA's allocation");
   static constexpr bool kOwnRows = kBlockN == 128;
-  // dQ = dS K: split along D over both consumers where each half fills a 64-wide swizzle atom.
-  static constexpr int kDqWarpgroups = dq_warpgroups(kHeadDim);
+  static_assert(kStepRows == 64 || (kStepRows == 128 && kOwnRows && kHeadDim == 64), "step rows");
+  // dQ = dS K: 128-row steps split the rows over both consumers (each dQ warpgroup one 64-row tile
+  // of the accumulator); 64-row steps split D where each half fills a 64-wide swizzle atom.
+  static constexpr bool kDqSplitRows = kStepRows == 128;
+  static constexpr int kDqWarpgroups = kDqSplitRows ? 2 : dq_warpgroups(kHeadDim);
+  // Columns of a dQ warpgroup's region (64 rows of the step; dq_tiles.hpp).
+  static constexpr int kDqColumns = kDqSplitRows ? kHeadDim : kHeadDim / kDqWarpgroups;
   static constexpr int kDqWarpgroup0 = 2 - kDqWarpgroups;  // first consumer that computes dQ
   // dQ's GEMM issued before dK / dV's, its adds under theirs (both consumers compute dQ). Not at
   // D 256: its 64 dQ accumulators per thread beside dK / dV's 128 would not fit.
@@ -80,42 +87,46 @@ struct Traits {
   static constexpr int kDsBuffers = 2;
 
   using Atom = GMMA::Layout_K_SW128_Atom<Element>;
-  static constexpr int kStepBytes =
-      2 * 64 * kHeadDim * static_cast<int>(sizeof(Element)) + 2 * 64 * static_cast<int>(sizeof(float));
+  static constexpr int kStepBytes = 2 * kStepRows * kHeadDim * static_cast<int>(sizeof(Element)) +
+                                    2 * kStepRows * static_cast<int>(sizeof(float));
   static constexpr int kOperandBytes =
-      (2 * kBlockN * kHeadDim + (kPBuffers + kDsBuffers) * 64 * kBlockN) * static_cast<int>(sizeof(Element));
+      (2 * kBlockN * kHeadDim + (kPBuffers + kDsBuffers) * kStepRows * kBlockN) * static_cast<int>(sizeof(Element));
   // dQ of a step staged in shared memory (the tiled accumulator's order) and added by one bulk
-  // reduction per warpgroup, where it fits beside two stages (not at D 256: 64 KB).
-  static constexpr int kDqStageBytes = 64 * kHeadDim * static_cast<int>(sizeof(float));
+  // reduction per warp, where it fits beside two stages (not at D 256: 64 KB).
+  static constexpr int kDqStageBytes = kStepRows * kHeadDim * static_cast<int>(sizeof(float));
   static constexpr bool kDqBulk = kOperandBytes + kDqStageBytes + 2 * kStepBytes + 2048 <= 227 * 1024;
   static constexpr int kFixedBytes = kOperandBytes + (kDqBulk ? kDqStageBytes : 0);
   static constexpr int kStages = kFixedBytes + 3 * kStepBytes + 2048 <= 227 * 1024 ? 3 : 2;
+  static_assert(kDqBulk || !kDqSplitRows, "128-row steps stage dQ (add_dq skips rows past the sequence there)");
 
-  // Q and dO: 64 x D per stage, D contiguous. Their transposes (D x 64) are the MN-major B operands
-  // of dK and dV.
-  using SmemLayoutQ = decltype(tile_to_shape(Atom{}, Shape<_64, Int<kHeadDim>, Int<kStages>>{}));
+  // Q and dO: kStepRows x D per stage, D contiguous (64-row blocks kStepRows x 64 apart in each
+  // 64 columns: a TMA box each). Their transposes (D x kStepRows) are the MN-major B operands of
+  // dK and dV.
+  using StepRows = Int<kStepRows>;
+  using SmemLayoutQ = decltype(tile_to_shape(Atom{}, Shape<StepRows, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutQt = decltype(composition(
-      SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, _64, Int<kStages>>{}, Stride<_64, _1, Int<64 * kHeadDim>>{})));
+      SmemLayoutQ{},
+      make_layout(Shape<Int<kHeadDim>, StepRows, Int<kStages>>{}, Stride<StepRows, _1, Int<kStepRows * kHeadDim>>{})));
   // K and V: kBlockN x D. K^T (D x kBlockN) is the MN-major B operand of dQ.
   using SmemLayoutK = decltype(tile_to_shape(Atom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
-  // P and dS: 64 x kBlockN, KV contiguous (the K-major A operand of dQ). The atoms tile the rows
-  // first, so KV columns [64 h, 64 h + 64) are the contiguous 64 x 64 block h; its transpose is
-  // the MN-major A operand (64 KV rows x 64 query rows) of dV and dK (kBlockN 64).
-  using SmemLayoutP = decltype(tile_to_shape(Atom{}, Shape<_64, Int<kBlockN>>{}));
-  // dS^T (kBlockN x 64): where kOwnRows consumers store their transposed scores' dS.
+  // P and dS: kStepRows x kBlockN, KV contiguous (the K-major A operand of dQ). The atoms tile the
+  // rows first, so KV columns [64 h, 64 h + 64) are the contiguous kStepRows x 64 block h; with
+  // 64-row steps its transpose is the MN-major A operand (64 KV rows x 64 query rows) of dV and dK
+  // (kBlockN 64).
+  using SmemLayoutP = decltype(tile_to_shape(Atom{}, Shape<StepRows, Int<kBlockN>>{}));
+  // dS^T (kBlockN x kStepRows): where kOwnRows consumers store their transposed scores' dS.
   using SmemLayoutPt = decltype(composition(
-      SmemLayoutP{}, make_layout(Shape<Int<kBlockN>, _64>{}, Stride<_64, _1>{})));
+      SmemLayoutP{}, make_layout(Shape<Int<kBlockN>, StepRows>{}, Stride<StepRows, _1>{})));
   using SmemLayoutBlockT = decltype(composition(tile_to_shape(Atom{}, Shape<_64, _64>{}),
                                                 make_layout(Shape<_64, _64>{}, Stride<_64, _1>{})));
-  static constexpr int kBlockElements = 64 * 64;
 
   // S and dP: kOwnRows, transposed (KV rows x query rows, the consumers split the KV rows);
   // else query rows x KV columns, the consumers split the columns.
   using MmaSdP = std::conditional_t<
       kOwnRows,
-      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, _64, Int<kHeadDim>>>(),
+      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, StepRows, Int<kHeadDim>>>(),
                               Layout<Shape<_2, _1, _1>>{})),
       decltype(make_tiled_mma(
           GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN / 2>, Int<kHeadDim>>>(),
@@ -123,25 +134,25 @@ struct Traits {
   // dV and dK of 64 KV rows: the A operand (P^T, dS^T) from registers (kOwnRows) or shared memory.
   using MmaDKV = std::conditional_t<
       kOwnRows,
-      decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, _64>,
+      decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, StepRows>,
                                                    GMMA::Major::K, GMMA::Major::MN>())),
       decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, _64>,
                                                    GMMA::Major::MN, GMMA::Major::MN>()))>;
   using MmaDQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / kDqWarpgroups>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<_1, Int<kDqWarpgroups>, _1>>{}));
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDqColumns>, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      std::conditional_t<kDqSplitRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, Int<kDqWarpgroups>, _1>>>{}));
 
   struct SharedStorage {
     alignas(1024) Element k[kBlockN * kHeadDim];
     alignas(1024) Element v[kBlockN * kHeadDim];
-    alignas(1024) Element q[kStages * 64 * kHeadDim];
-    alignas(1024) Element dout[kStages * 64 * kHeadDim];
-    alignas(1024) Element ds[kDsBuffers][64 * kBlockN];
+    alignas(1024) Element q[kStages * kStepRows * kHeadDim];
+    alignas(1024) Element dout[kStages * kStepRows * kHeadDim];
+    alignas(1024) Element ds[kDsBuffers][kStepRows * kBlockN];
     SmemArray<Element, kPBuffers * 64 * kBlockN> p;  // buffer j at data + j * 64 * kBlockN
-    SmemArray<float, kDqBulk ? 64 * kHeadDim : 0> dq;  // the step's dQ, tiled (dq_tiles.hpp)
-    float lse_log2[kStages][64];
-    float delta[kStages][64];
+    SmemArray<float, kDqBulk ? kStepRows * kHeadDim : 0> dq;  // the step's dQ, tiled (dq_tiles.hpp)
+    float lse_log2[kStages][kStepRows];
+    float delta[kStages][kStepRows];
     Step step[kStages];  // the stage's step, from the producer; head < 0: the walk has ended
     DkvTarget dkv_target;  // the CTA's dK / dV rows, for the epilogue
     alignas(8) std::uint64_t full[kStages], empty[kStages], record[kStages], kv_full;
