@@ -6,7 +6,8 @@ of 128 x 128; FLOPs counted as 2.5x the forward FLOPs of the kept (q, kv) pairs
 
 Rows (--rows selects them by name): causal; random blocks at density 0.1, 0.25, 0.5, 1.0 (exactly
 round(d * nKB) random KV blocks per Q block row, one pattern per KV head unless --heads says
-otherwise) with the time(d) / time(1.0) column; D = 64 and D = 256 at density 0.25.
+otherwise) with the time(d) / time(1.0) column; D = 64 and D = 256 at density 0.25; D = 64 causal;
+blocks of 64 x 64 at density 0.25 (the kernel of 64-wide KV tiles).
 
 bsattn: a plan from the shim's bsattn_bench_plan made for the backward (bsattn_bench_set_backward:
 problem.backward = true), its forward run once for O and LSE, then Plan::run_backward
@@ -55,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 import peer_fa4  # noqa: E402  (imports flash_attn.cute only when asked)
 
-ALL_ROWS = ("causal", "rand0.1", "rand0.25", "rand0.5", "rand1.0", "d64", "d256")
+ALL_ROWS = ("causal", "rand0.1", "rand0.25", "rand0.5", "rand1.0", "d64", "d256", "d64-causal", "blk64")
 P = argparse.ArgumentParser()
 P.add_argument("--lib", required=True)
 P.add_argument("--rows", default=",".join(ALL_ROWS), help="comma list of " + ",".join(ALL_ROWS))
@@ -97,6 +98,7 @@ class Row:
     D: int = 128
     kind: str = "random"  # random | causal
     density: float = 1.0
+    block: int = BLK  # Q and KV block size
     res: dict = field(default_factory=dict)   # engine -> (ms, (err dq, dk, dv))
     notes: list = field(default_factory=list)
 
@@ -106,14 +108,16 @@ def rows_wanted():
     table = {"causal": Row("causal", kind="causal"),
              "rand0.1": Row("rand0.1", density=0.1), "rand0.25": Row("rand0.25", density=0.25),
              "rand0.5": Row("rand0.5", density=0.5), "rand1.0": Row("rand1.0", density=1.0),
-             "d64": Row("D64-rand0.25", D=64, density=0.25), "d256": Row("D256-rand0.25", D=256, density=0.25)}
+             "d64": Row("D64-rand0.25", D=64, density=0.25), "d256": Row("D256-rand0.25", D=256, density=0.25),
+             "d64-causal": Row("D64-causal", D=64, kind="causal"),
+             "blk64": Row("blk64-rand0.25", density=0.25, block=64)}
     return [table[n] for n in ALL_ROWS if n in want]
 
 
-def random_pattern(S, hs, density, seed):
+def random_pattern(S, hs, density, seed, block):
     """cnt [1, Hs, nQB], idx [1, Hs, nQB, nKB] int32 (round(density * nKB) random KV blocks per row,
     ascending, then zeros) and the bool block mask blk [Hs, nQB, nKB]."""
-    nqb = nkb = -(-S // BLK)
+    nqb = nkb = -(-S // block)
     keep = max(1, round(density * nkb))
     g = torch.Generator(device=DEV).manual_seed(seed)
     chosen = torch.rand(hs, nqb, nkb, generator=g, device=DEV).argsort(-1)[..., :keep].sort(-1).values
@@ -128,16 +132,16 @@ def random_pattern(S, hs, density, seed):
 class Case:
     """Inputs of one shape: q, k, v, dout (bf16, [1, S, H, D]) and the block pattern."""
 
-    def __init__(self, S, D, kind, density, seed):
+    def __init__(self, S, D, kind, density, seed, block=BLK):
         torch.manual_seed(seed)
-        self.S, self.D, self.kind, self.density = S, D, kind, density
+        self.S, self.D, self.kind, self.density, self.block = S, D, kind, density, block
         self.q = torch.randn(1, S, HQ, D, dtype=torch.bfloat16, device=DEV)
         self.k = torch.randn(1, S, HKV, D, dtype=torch.bfloat16, device=DEV)
         self.v = torch.randn(1, S, HKV, D, dtype=torch.bfloat16, device=DEV)
         self.dout = torch.randn(1, S, HQ, D, dtype=torch.bfloat16, device=DEV)
         self.cnt = self.idx = self.blk = None
         if kind == "random":
-            self.cnt, self.idx, self.blk = random_pattern(S, HS, density, seed + 1)
+            self.cnt, self.idx, self.blk = random_pattern(S, HS, density, seed + 1, block)
 
     def keep(self, h, r0, r1):
         """bool [r1 - r0, S]: the keys query rows r0..r1 of query head h attend."""
@@ -145,15 +149,15 @@ class Case:
         if self.kind == "causal":
             return kpos[None, :] <= torch.arange(r0, r1, device=DEV)[:, None]
         pat = self.blk[h // (HQ // self.blk.shape[0])]
-        qb = torch.arange(r0, r1, device=DEV) // BLK
-        return pat[qb][:, kpos // BLK]
+        qb = torch.arange(r0, r1, device=DEV) // self.block
+        return pat[qb][:, kpos // self.block]
 
     def pairs(self):
         """Kept (q, kv) pairs over all query heads."""
         if self.kind == "causal":
             return self.S * (self.S + 1) // 2 * HQ
-        n = -(-self.S // BLK)
-        tok = (self.S - torch.arange(n, device=DEV) * BLK).clamp(max=BLK).double()
+        n = -(-self.S // self.block)
+        tok = (self.S - torch.arange(n, device=DEV) * self.block).clamp(max=self.block).double()
         per = (self.blk.double() * tok[:, None] * tok[None, :]).sum().item()
         return per * (HQ // self.blk.shape[0])
 
@@ -203,7 +207,8 @@ class Ours:
         lib = LIB if lib is None else lib
         self.lib = lib
         fmt, hs, causal = (0, 1, 1) if c.kind == "causal" else (1, c.blk.shape[0], 0)
-        self.plan = benchlib.Plan(lib, lib.bsattn_bench_plan(1, c.S, HQ, HKV, c.D, 0, BLK, BLK, fmt, hs, causal, -1))
+        self.plan = benchlib.Plan(lib, lib.bsattn_bench_plan(1, c.S, HQ, HKV, c.D, 0, c.block, c.block, fmt, hs, causal,
+                                                                     -1))
         benchlib.ok(lib, lib.bsattn_bench_set_backward(self.plan.h, int(ARGS.deterministic)))
         self.c = c
         self.out = torch.full_like(c.q, float("nan"))
@@ -294,8 +299,8 @@ def fa4_grads_fn(row, c, leaves, variant):
             z = (torch.zeros_like(cnt), torch.zeros_like(idx))
             if variant == "full":
                 return BlockSparseTensorsTorch(mask_block_cnt=z[0], mask_block_idx=z[1], full_block_cnt=cnt,
-                                               full_block_idx=idx, block_size=(BLK, BLK))
-            return BlockSparseTensorsTorch(mask_block_cnt=cnt, mask_block_idx=idx, block_size=(BLK, BLK))
+                                               full_block_idx=idx, block_size=(c.block, c.block))
+            return BlockSparseTensorsTorch(mask_block_cnt=cnt, mask_block_idx=idx, block_size=(c.block, c.block))
         kw["block_sparse_tensors"] = bst(c.blk)
         kw["block_sparse_tensors_bwd"] = bst(c.blk.transpose(1, 2).contiguous())  # per KV block: its Q blocks
     out = flash_attn_func(*leaves, **kw)[0]
@@ -316,10 +321,11 @@ def flex_grads_fn(row, c, leaves):
     if c.kind == "causal":
         def mod(b, h, qi, ki):
             return qi >= ki
-        bm = create_block_mask(mod, None, None, c.S, c.S, device=DEV, BLOCK_SIZE=(BLK, BLK))
+        bm = create_block_mask(mod, None, None, c.S, c.S, device=DEV, BLOCK_SIZE=(c.block, c.block))
     else:
         cnt, idx = peer_fa4.fa4_lists(c.blk, HQ)  # [1, Hq or 1, nQB(, nKB)]: the pattern of every query head
-        bm = BlockMask.from_kv_blocks(torch.zeros_like(cnt), torch.zeros_like(idx), cnt, idx, BLOCK_SIZE=(BLK, BLK),
+        bm = BlockMask.from_kv_blocks(torch.zeros_like(cnt), torch.zeros_like(idx), cnt, idx,
+                                      BLOCK_SIZE=(c.block, c.block),
                                       mask_mod=None, seq_lengths=(c.S, c.S))
     qh, kh, vh = (t.transpose(1, 2) for t in leaves)
     out = FLEX["fn"](qh, kh, vh, block_mask=bm, enable_gqa=True)
@@ -370,7 +376,7 @@ def fmt_peer(r, key, flops):
 
 def table(rows, cases, fa4_note):
     dense = next((r for r in rows if r.name == "rand1.0" and "bsattn" in r.res), None)
-    lines = [benchlib.header(f"bf16, B 1, S {ARGS.seqlen}, Hq {HQ} / Hkv {HKV}, blocks {BLK}, random patterns per "
+    lines = [benchlib.header(f"bf16, B 1, S {ARGS.seqlen}, Hq {HQ} / Hkv {HKV}, blocks {BLK} (blk64: 64), random patterns per "
                              f"{ {'kv': 'KV head', 'q': 'query head', '1': 'problem'}[ARGS.heads]}; backward FLOPs = "
                              f"2.5 x forward FLOPs of the kept pairs; median of {ARGS.iters} CUDA-event timings"
                              + ("; bsattn deterministic" if ARGS.deterministic else "")), "",
@@ -419,7 +425,7 @@ def main():
         benchlib.write(ARGS.out, table(rows, cases, note))
 
     for r in rows:  # bsattn on every row first (no compilation)
-        c = Case(ARGS.seqlen, r.D, r.kind, r.density, 1000 + len(cases))
+        c = Case(ARGS.seqlen, r.D, r.kind, r.density, 1000 + len(cases), r.block)
         cases[r.name] = c
         refs[r.name] = {hk: reference_grads(c, hk) for hk in (0, HKV - 1)}
         try:
@@ -445,7 +451,8 @@ def main():
         save()
     priority = [("causal", "fa4"), ("rand0.25", "flex"), ("rand0.25", "fa4"), ("causal", "flex"), ("rand0.1", "flex"),
                 ("rand0.5", "flex"), ("rand1.0", "flex"), ("rand0.1", "fa4"), ("rand0.5", "fa4"), ("rand1.0", "fa4"),
-                ("D64-rand0.25", "flex"), ("D64-rand0.25", "fa4"), ("D256-rand0.25", "flex"), ("D256-rand0.25", "fa4")]
+                ("D64-rand0.25", "flex"), ("D64-rand0.25", "fa4"), ("D256-rand0.25", "flex"), ("D256-rand0.25", "fa4"),
+                ("D64-causal", "fa4"), ("blk64-rand0.25", "fa4"), ("blk64-rand0.25", "flex"), ("D64-causal", "flex")]
     byname = {r.name: r for r in rows}
     for name, peer in priority:
         r = byname.get(name)
