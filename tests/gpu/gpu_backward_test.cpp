@@ -237,22 +237,28 @@ TEST(GpuBackward, DtypesHeadDimsBlocksAndGqa) {
       }
 }
 
-// Every built-in mask (none, causal, causal + window, window + sinks, documents, KV validity
-// bits) on batched and varlen problems; dense enough that masked tiles meet full ones.
+// Built-in mask `mask` (0 none, causal, causal + window, window + sinks, documents, KV validity
+// bits) on a batched or varlen problem with tails; dense enough that masked tiles meet full ones.
+BackwardSpec mask_spec(int mask, bool varlen, std::uint64_t seed) {
+  BackwardSpec spec;
+  spec.forward.format = varlen ? Format::varlen_block_lists : Format::bitmask;
+  spec.forward.varlen = varlen;
+  spec.forward.mask = mask;
+  spec.forward.density = 0.8;
+  spec.forward.max_seqlen = 500;
+  spec.forward.seed = seed;
+  return spec;
+}
+
+// Every built-in mask on batched and varlen problems.
 TEST(GpuBackward, Masks) {
   REQUIRE_SM90();
   std::uint64_t seed = 33000;
   for (int mask = 0; mask <= 5; ++mask)
     for (int varlen = 0; varlen < 2; ++varlen) {
-      BackwardSpec spec;
-      spec.forward.format = varlen ? Format::varlen_block_lists : Format::bitmask;
-      spec.forward.varlen = varlen;
-      spec.forward.mask = mask;
-      spec.forward.density = 0.8;
-      spec.forward.max_seqlen = 500;
+      BackwardSpec spec = mask_spec(mask, varlen, seed++);
       spec.forward.bq = mask % 2 ? 64 : 128;
       spec.forward.bk = mask % 3 ? 128 : 64;
-      spec.forward.seed = seed++;
       check_backward(spec);
     }
 }
@@ -290,19 +296,26 @@ void check_deterministic(BackwardSpec spec) {
   expect_gradient_close("dv", bc->c->name, bc->dv, first.dv, kv_rows(*bc->c));
 }
 
+// A format of the sweep with four query heads on one KV head (four heads' dQ rows from many KV
+// tiles), for the deterministic order.
+BackwardSpec deterministic_spec(const Sweep& s, std::uint64_t seed) {
+  BackwardSpec spec;
+  spec.forward.format = s.format;
+  spec.forward.varlen = s.varlen;
+  spec.forward.max_seqlen = 700;
+  spec.forward.hq = 4;
+  spec.forward.hkv = 1;
+  spec.forward.seed = seed;
+  spec.dlse = true;
+  return spec;
+}
+
 TEST(GpuBackward, DeterministicRepeatsBitForBit) {
   REQUIRE_SM90();
   std::uint64_t seed = 35000;
   for (const Sweep& s : kSweeps) {
-    BackwardSpec spec;
-    spec.forward.format = s.format;
-    spec.forward.varlen = s.varlen;
-    spec.forward.max_seqlen = 700;
-    spec.forward.hq = 4;
-    spec.forward.hkv = 1;  // four heads' dQ rows from many KV tiles
-    spec.forward.bq = seed % 2 ? 64 : 128;
-    spec.forward.seed = seed++;
-    spec.dlse = true;
+    BackwardSpec spec = deterministic_spec(s, seed);
+    spec.forward.bq = seed++ % 2 ? 64 : 128;
     check_deterministic(spec);
   }
 }
@@ -316,33 +329,20 @@ TEST(GpuBackward, HeadDim64StepsOf128Rows) {
   std::uint64_t seed = 39000;
   for (int mask = 0; mask <= 5; ++mask)
     for (int varlen = 0; varlen < 2; ++varlen) {
-      BackwardSpec spec;
-      spec.forward.format = varlen ? Format::varlen_block_lists : Format::bitmask;
-      spec.forward.varlen = varlen;
-      spec.forward.mask = mask;
+      BackwardSpec spec = mask_spec(mask, varlen, seed++);
       spec.forward.head_dim = 64;
-      spec.forward.density = 0.8;
-      spec.forward.max_seqlen = 500;
       spec.forward.bq = mask % 2 ? 256 : 128;
       spec.forward.bk = 128;
       spec.forward.hq = 4;
       spec.forward.hkv = 2;
-      spec.forward.seed = seed++;
       spec.dlse = mask % 2 == 0;
       check_backward(spec);
     }
   for (const Sweep& s : kSweeps) {
-    BackwardSpec spec;
-    spec.forward.format = s.format;
-    spec.forward.varlen = s.varlen;
+    BackwardSpec spec = deterministic_spec(s, seed++);
     spec.forward.head_dim = 64;
-    spec.forward.max_seqlen = 700;
-    spec.forward.hq = 4;
-    spec.forward.hkv = 1;
     spec.forward.bq = 128;
     spec.forward.bk = 128;
-    spec.forward.seed = seed++;
-    spec.dlse = true;
     check_deterministic(spec);
   }
 }
