@@ -102,12 +102,11 @@ __device__ __forceinline__ void load_step(typename T::SharedStorage& st, const B
   if (!tma) {
     Tensor sQ = make_tensor(make_smem_ptr(st.q), typename T::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(st.dout), typename T::SmemLayoutQ{});
-    load_strided_rows<T, kStepRows>(sQ(_, _, stage),
-                                    static_cast<const Element*>(a.q) + a.q_offset(b, si, s.q0, s.head),
+    load_strided_rows<T, kStepRows>(sQ(_, _, stage), static_cast<const Element*>(a.q) + a.q_offset(b, si, s.q0, s.head),
                                     a.q_token_stride, rows, tid);
-    load_strided_rows<T, kStepRows>(sdO(_, _, stage),
-                             static_cast<const Element*>(g.dout) + g.q_like_offset(g.dout_strides, b, si, s.q0, s.head),
-                             g.dout_strides.token, rows, tid);
+    load_strided_rows<T, kStepRows>(
+        sdO(_, _, stage), static_cast<const Element*>(g.dout) + g.q_like_offset(g.dout_strides, b, si, s.q0, s.head),
+        g.dout_strides.token, rows, tid);
   }
   static_assert(T::kProducerThreads == 128, "a thread per 64 rows' LSE or delta value");
   const int r = tid % 64;
