@@ -56,7 +56,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 import peer_fa4  # noqa: E402  (imports flash_attn.cute only when asked)
 
-ALL_ROWS = ("causal", "rand0.1", "rand0.25", "rand0.5", "rand1.0", "d64", "d256", "d64-causal", "blk64")
+ALL_ROWS = ("causal", "rand0.1", "rand0.25", "rand0.5", "rand1.0", "d64", "d256", "d64-causal", "blk64", "blk64-causal",
+            "d64-blk64")
 P = argparse.ArgumentParser()
 P.add_argument("--lib", required=True)
 P.add_argument("--rows", default=",".join(ALL_ROWS), help="comma list of " + ",".join(ALL_ROWS))
@@ -110,7 +111,9 @@ def rows_wanted():
              "rand0.5": Row("rand0.5", density=0.5), "rand1.0": Row("rand1.0", density=1.0),
              "d64": Row("D64-rand0.25", D=64, density=0.25), "d256": Row("D256-rand0.25", D=256, density=0.25),
              "d64-causal": Row("D64-causal", D=64, kind="causal"),
-             "blk64": Row("blk64-rand0.25", density=0.25, block=64)}
+             "blk64": Row("blk64-rand0.25", density=0.25, block=64),
+             "blk64-causal": Row("blk64-causal", kind="causal", block=64),
+             "d64-blk64": Row("D64-blk64-rand0.25", D=64, density=0.25, block=64)}
     return [table[n] for n in ALL_ROWS if n in want]
 
 
@@ -453,7 +456,9 @@ def main():
     priority = [("causal", "fa4"), ("rand0.25", "flex"), ("rand0.25", "fa4"), ("causal", "flex"), ("rand0.1", "flex"),
                 ("rand0.5", "flex"), ("rand1.0", "flex"), ("rand0.1", "fa4"), ("rand0.5", "fa4"), ("rand1.0", "fa4"),
                 ("D64-rand0.25", "flex"), ("D64-rand0.25", "fa4"), ("D256-rand0.25", "flex"), ("D256-rand0.25", "fa4"),
-                ("D64-causal", "fa4"), ("blk64-rand0.25", "fa4"), ("blk64-rand0.25", "flex"), ("D64-causal", "flex")]
+                ("D64-causal", "fa4"), ("blk64-rand0.25", "fa4"), ("blk64-rand0.25", "flex"), ("D64-causal", "flex"),
+                ("blk64-causal", "fa4"), ("blk64-causal", "flex"), ("D64-blk64-rand0.25", "fa4"),
+                ("D64-blk64-rand0.25", "flex")]
     byname = {r.name: r for r in rows}
     for name, peer in priority:
         r = byname.get(name)

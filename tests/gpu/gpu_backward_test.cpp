@@ -320,19 +320,16 @@ TEST(GpuBackward, DeterministicRepeatsBitForBit) {
   }
 }
 
-// D 64 with Q tiles of 128 and 256 rows: the kernel of 128-row steps (backward_step_rows), whose
-// dQ warpgroups split the step's rows (a sequence's last step may leave the second warpgroup's
-// rows past the sequence: nothing of them may be added). Every mask, batched and varlen, odd
-// lengths, GQA; and its deterministic order bit for bit.
-TEST(GpuBackward, HeadDim64StepsOf128Rows) {
-  REQUIRE_SM90();
-  std::uint64_t seed = 39000;
+// The cases of a kernel variant that the route's tiles pick: every mask on batched and varlen
+// problems (odd lengths, GQA, dLSE on half of them) with Q blocks of bq_even (masks 0, 2, 4) or
+// bq_odd rows and KV blocks of bk, and the deterministic sweep with blocks bq_even x bk.
+void check_variant(int head_dim, int bq_even, int bq_odd, int bk, std::uint64_t seed) {
   for (int mask = 0; mask <= 5; ++mask)
     for (int varlen = 0; varlen < 2; ++varlen) {
       BackwardSpec spec = mask_spec(mask, varlen, seed++);
-      spec.forward.head_dim = 64;
-      spec.forward.bq = mask % 2 ? 256 : 128;
-      spec.forward.bk = 128;
+      spec.forward.head_dim = head_dim;
+      spec.forward.bq = mask % 2 ? bq_odd : bq_even;
+      spec.forward.bk = bk;
       spec.forward.hq = 4;
       spec.forward.hkv = 2;
       spec.dlse = mask % 2 == 0;
@@ -340,11 +337,29 @@ TEST(GpuBackward, HeadDim64StepsOf128Rows) {
     }
   for (const Sweep& s : kSweeps) {
     BackwardSpec spec = deterministic_spec(s, seed++);
-    spec.forward.head_dim = 64;
-    spec.forward.bq = 128;
-    spec.forward.bk = 128;
+    spec.forward.head_dim = head_dim;
+    spec.forward.bq = bq_even;
+    spec.forward.bk = bk;
     check_deterministic(spec);
   }
+}
+
+// D 64 with Q tiles of 128 and 256 rows: the kernel of 128-row steps (backward_step_rows), whose
+// dQ warpgroups split the step's rows (a sequence's last step may leave the second warpgroup's
+// rows past the sequence: nothing of them may be added); and its deterministic order bit for bit.
+TEST(GpuBackward, HeadDim64StepsOf128Rows) {
+  REQUIRE_SM90();
+  check_variant(64, 128, 256, 128, 39000);
+}
+
+// KV tiles of 64 with Q tiles of 64 rows (blocks of 64, and of 32 x 48: units of the Q tile, KV
+// columns past the block masked), D 64 and 128: the solo consumers (backward_solo_steps), each
+// taking every other step with its own dQ, their dK / dV partials summed after the walk (a CTA
+// with one step, or an odd count, leaves one consumer a step short); and the deterministic order.
+TEST(GpuBackward, SoloConsumersOn64WideTiles) {
+  REQUIRE_SM90();
+  check_variant(64, 64, 32, 48, 41000);
+  check_variant(128, 64, 32, 64, 42000);
 }
 
 // One plan runs the forward and then the backward on its routes, as the Python autograd does.

@@ -106,41 +106,74 @@ __device__ __forceinline__ void add_dq_rows(const Acc& acc, const Coords& c, con
 // bench/RESULTS.md, 2026-12-03 17:00).
 __device__ __forceinline__ bool dq_bulk_leader(int dq_tid) { return dq_tid % 32 == 0; }
 
-// The bulk reduction of a dQ warp's staged block (add_dq), issued by the caller one step late:
-// right after the stores, the fence before it waited for them behind the dK GEMM's operand reads
-// (Nsight Compute, 2026-12-05: ~10 % of the consumers' samples); a step later they have long
-// landed and the fence runs under the next step's S and dP GEMMs. `dst`: the block's address in
-// the accumulator, as add_dq returned it.
+// Where offset `offset` (floats, the step's tiled regions in order) of a step's staged dQ lies in
+// shared memory: the staging buffer, or (T::kDqInStage) the step's stage, its Q then its dO.
 template <class T>
-__device__ __forceinline__ void issue_staged_dq(typename T::SharedStorage& st, float* dst, int dq_tid) {
-  constexpr int kColumns = T::kDqColumns, kRegion = 64 * kColumns;
-  const int region = dq_tid / 128, lane = dq_tid % 128;
+__device__ __forceinline__ float* dq_staging(typename T::SharedStorage& st, int stage, int offset) {
+  if constexpr (T::kDqInStage) {
+    constexpr int kStageElements = T::kStepRows * T::kHeadDim, kHalf = kStageElements / 2;  // floats in a Q
+    const bool in_q = offset < kHalf;
+    return reinterpret_cast<float*>((in_q ? st.q : st.dout) + stage * kStageElements) + (in_q ? offset : offset - kHalf);
+  } else {
+    return st.dq.data + offset;
+  }
+}
+
+// The offset (floats) of region r's block of dQ warp lane / 32 within a step's tiled dQ: the
+// warpgroup's first region (dq_tid / 128), then r more (a solo consumer's D 128 is two regions).
+template <class T>
+__device__ __forceinline__ int dq_warp_block(int dq_tid, int r) {
+  constexpr int kColumns = T::kDqColumns;
+  const int lane = dq_tid % 128;
+  return (dq_tid / 128 + r) * 64 * kColumns + dq_fragment_offset(lane, 0, kColumns) - (lane % 32) * 4;
+}
+
+// The bulk reductions of a dQ warp's staged blocks (add_dq), one per region, by its leader.
+// `tile`: the step's tile in the accumulator, as add_dq returned it.
+template <class T>
+__device__ __forceinline__ void bulk_add_dq(typename T::SharedStorage& st, float* tile, int stage, int dq_tid) {
+  if (!dq_bulk_leader(dq_tid)) return;
+  CUTE_UNROLL
+  for (int r = 0; r < T::kDqRegions; ++r) {
+    const int block = dq_warp_block<T>(dq_tid, r);
+    bulk_reduce_add(tile + block, dq_staging<T>(st, stage, block), 16 * T::kDqColumns * 4);
+  }
+}
+
+// The bulk reductions of a warp's staged dQ (add_dq), issued by the caller: one step late where
+// the staging buffer is the CTA's (right after the stores, the fence before them waited for them
+// behind the dK GEMM's operand reads, Nsight Compute, 2026-12-05: ~10 % of the consumers' samples;
+// a step later they have long landed and the fence runs under the next step's S and dP GEMMs),
+// at once where it is the step's stage (solo), which the next step's loads wait for.
+template <class T>
+__device__ __forceinline__ void issue_staged_dq(typename T::SharedStorage& st, float* tile, int stage, int dq_tid) {
   cutlass::arch::fence_view_async_shared();  // the stores before the bulk reduction reads them
   __syncwarp();                              // the warp's staged block, fenced by each lane
-  const int block = dq_fragment_offset(lane, 0, kColumns) - (lane % 32) * 4;  // the warp's block
-  if (dq_bulk_leader(dq_tid)) bulk_reduce_add(dst, st.dq.data + region * kRegion + block, 16 * kColumns * 4);
+  bulk_add_dq<T>(st, tile, stage, dq_tid);
 }
 
 // Adds the step's completed dQ fragment into the fp32 accumulator: the tiled one (dq_tiles.hpp;
 // staged and bulk-added where T::kDqBulk) or the row-major one (add_dq_rows), in the deterministic
-// order when asked. With bulk adds the stage must be free: the caller's leaders waited for their
-// previous reductions' reads (fwd::bulk_store_wait<true>) before a barrier of both consumers.
-// Returns, where the block is staged for a bulk reduction in the default order, its destination:
-// the caller issues it (issue_staged_dq) a step later; else nullptr (added here, or nothing to
-// add). A dQ warpgroup's region is 64 rows by kDqColumns columns of the step: with 128-row steps
-// (T::kDqSplitRows) its own 64-row tile, which it skips when those rows lie past the sequence (the
-// next tile of the accumulator is another sequence's, or past its end).
+// order when asked. With bulk adds the staging must be free: the caller's leaders waited for their
+// previous reductions' reads (fwd::bulk_store_wait<true>) before a barrier of both consumers, or
+// (solo) the step's GEMMs have completed. Returns, where the block is staged for a bulk reduction in
+// the default order, the step's tile in the accumulator: the caller issues the reductions
+// (issue_staged_dq); else nullptr (added here, or nothing to add). A dQ warpgroup's region is 64
+// rows by kDqColumns columns of the step (kDqRegions of them for a solo consumer): with 128-row
+// steps (T::kDqSplitRows) its own 64-row tile, which it skips when those rows lie past the sequence
+// (the next tile of the accumulator is another sequence's, or past its end).
 template <class T, class Acc>
-__device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStorage& st, const Step& step,
+__device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStorage& st, const Step& step, int stage,
                                          const BackwardWorkspace& ws, std::int64_t packed_base,
                                          const AttentionParams& a, const route::SeqInfo& si, int b,
-                                         bool deterministic, bool record_done, int dq_tid) {
+                                         bool deterministic, bool record_done, int dq_tid, int order_barrier) {
   constexpr int kHeadDim = T::kHeadDim, kThreads = 128 * T::kDqWarpgroups;
-  constexpr int kColumns = T::kDqColumns, kRegion = 64 * kColumns;  // a warpgroup's region
+  constexpr int kColumns = T::kDqColumns, kRegion = 64 * kColumns;  // a region of the tile
+  constexpr int kChunks = kColumns / 8;  // a thread's 16-byte chunks per region
   typename T::MmaDQ mma;
   auto thr = mma.get_thread_slice(dq_tid);
   Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<T::kStepRows>, Int<kHeadDim>>{}));
-  static_assert(decltype(size(acc))::value % 4 == 0 &&
+  static_assert(decltype(size(acc))::value == 4 * kChunks * T::kDqRegions &&
                     cute::is_same_v<std::decay_t<decltype(stride<0, 0>(c.layout()))>, std::decay_t<decltype(E<1>{})>>,
                 "adjacent fragment values are adjacent columns of one row");
   static_assert(standard_fragment(decltype(c.layout()){}), "the accumulator layout dq_tiles.hpp assumes");
@@ -149,18 +182,21 @@ __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStora
   const bool tiled = ws.geometry.dq_tiles > 0, bulk = T::kDqBulk && tiled;
   const int region = dq_tid / 128, lane = dq_tid % 128;
   const bool rows_in_sequence = !T::kDqSplitRows || step.q0 + 64 * region < si.seqlen_q;  // warpgroup-uniform
-  const auto tile_region = [&] {  // the warpgroup's region of the step's tile in the accumulator
-    const std::int64_t tile = (dq_padded_start(p, b) + step.q0) / 64;
-    return ws.dq_accum + dq_tile_offset(ws.geometry.dq_tiles, step.head, tile, kHeadDim) + region * kRegion;
+  const auto tile = [&] {  // the step's tile in the accumulator
+    const std::int64_t index = (dq_padded_start(p, b) + step.q0) / 64;
+    return ws.dq_accum + dq_tile_offset(ws.geometry.dq_tiles, step.head, index, kHeadDim);
   };
-  const int block = dq_fragment_offset(lane, 0, kColumns) - (lane % 32) * 4;  // the warp's staged block
+  // Value 4 j of the fragment: region j / kChunks (after the warpgroup's first), chunk j % kChunks.
+  const auto offset = [&](int j) {
+    return (region + j / kChunks) * kRegion + dq_fragment_offset(lane, j % kChunks, kColumns);
+  };
   if constexpr (T::kDqBulk) {
     if (bulk) {
-      float* staged = st.dq.data + region * kRegion + dq_fragment_offset(lane, 0, kColumns);
       CUTE_UNROLL
       for (int j = 0; j < size(acc) / 4; ++j)
-        *reinterpret_cast<float4*>(staged + j * 128) = make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
-      if (!deterministic) return rows_in_sequence ? tile_region() + block : nullptr;
+        *reinterpret_cast<float4*>(dq_staging<T>(st, stage, offset(j))) =
+            make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+      if (!deterministic) return rows_in_sequence ? tile() : nullptr;
       cutlass::arch::fence_view_async_shared();  // the stores before the bulk reduction reads them
     }
   }
@@ -175,21 +211,20 @@ __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStora
       }
       fence_proxy_async_global();  // the earlier routes' adds before this one's bulk reduction
     }
-    fwd::barrier_sync(kDqOrderBarrier, kThreads);
+    fwd::barrier_sync(order_barrier, kThreads);
   }
   if (tiled) {
-    float* dst = tile_region();
     if constexpr (T::kDqBulk) {
-      if (dq_bulk_leader(dq_tid) && rows_in_sequence)
-        bulk_reduce_add(dst + block, st.dq.data + region * kRegion + block, 16 * kColumns * 4);
+      if (rows_in_sequence) bulk_add_dq<T>(st, tile(), stage, dq_tid);
     } else {
       // The fragment's values in order, 16 bytes per reduction, no predicates (rows past the
       // sequence hold zeros or are never converted: dq_tiles.hpp).
+      float* dst = tile();
       CUTE_UNROLL
       for (int j = 0; j < size(acc) / 4; ++j)
-        red_add_v4(dst + dq_fragment_offset(lane, j, kColumns), acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+        red_add_v4(dst + offset(j), acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
     }
-  } else if constexpr (!T::kDqSplitRows) {  // 128-row steps have tile_m % 128 == 0: always tiled
+  } else if constexpr (!T::kDqSplitRows && !T::kSolo) {  // these have tile_m % 64 == 0: always tiled
     add_dq_rows<T>(acc, c, step, ws, packed_base, p, si);
   }
   if (deterministic && record_done) {
@@ -198,7 +233,7 @@ __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStora
       fence_proxy_async_global();
     }
     __threadfence();  // this thread's adds are performed before the semaphore moves on
-    fwd::barrier_sync(kDqOrderBarrier, kThreads);
+    fwd::barrier_sync(order_barrier, kThreads);
     if (dq_tid == 0) store_release(semaphore(), step.route.position + 1);
   }
   return nullptr;

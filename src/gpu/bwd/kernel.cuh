@@ -4,14 +4,15 @@
 //  * the producer warpgroup (loader.cuh) walks the steps and loads each step's Q, dO (TMA), LSE
 //    and delta into a free stage, up to kStages steps ahead of the consumers;
 //  * two consumer warpgroups compute, per step, the scores S and dP (traits.cuh: with 128-wide
-//    tiles each consumer's own 64 KV rows, transposed; else each its half of the KV columns);
+//    tiles each consumer's own 64 KV rows, transposed; solo, each consumer every other step alone,
+//    transposed; else each its half of the KV columns);
 //    once S is complete the forward's route mask (mask.cuh) and P = exp2(S * scale * log2(e) -
 //    LSE * log2(e)) while dP completes; with 128-wide tiles P^T, in registers, feeds dV at once;
-//    then dS = P (dP - delta) to shared memory (and, 128-wide, dS^T from registers into dK); one
-//    barrier of both consumers; dQ = dS K (dq.cuh), whose adds into the fp32 accumulator run
-//    under the dK / dV GEMM.
+//    then dS = P (dP - delta) to shared memory (and, transposed, dS^T from registers into dK); one
+//    barrier of both consumers (solo: of the consumer); dQ = dS K (dq.cuh), whose adds into the
+//    fp32 accumulator run under the dK / dV GEMM (solo: under the other consumer's GEMMs).
 // dK and dV stay in registers over the whole walk (the group's query heads summed there, GQA) and
-// are stored once (epilogue.cuh).
+// are stored once (epilogue.cuh; solo consumers' partials summed first).
 #pragma once
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -30,7 +31,7 @@
 namespace bsattn::gpu::bwd {
 
 // dV += P^T dO or dK += dS^T Q of 64 KV rows. `a`: P^T or dS^T, the register A operand
-// (kOwnRows), or the 64 x 64 block of P or dS in shared memory whose KV columns are the GEMM's rows;
+// (kTransposed), or the 64 x 64 block of P or dS in shared memory whose KV columns are the GEMM's rows;
 // `staged`: dO or Q (all stages; the B operand is its transpose).
 // The warpgroup's shared-memory operands are the same for each of its threads: their descriptors
 // come from thread 0's slice, a constant, so ptxas keeps them in uniform registers.
@@ -41,7 +42,7 @@ __device__ __forceinline__ void issue_dkv_gemm(const A& a, const typename T::Ele
   Tensor bt = make_tensor(make_smem_ptr(staged), typename T::SmemLayoutQt{});
   // The stage is picked among the operand descriptors: a slice of the swizzled layout itself would
   // keep its offset inside the layout, where the descriptors do not see it.
-  if constexpr (T::kOwnRows) {
+  if constexpr (T::kTransposed) {
     wg_gemm<false, true>(mma, a, thr.partition_fragment_B(bt)(_, _, _, stage), acc);
   } else {
     Tensor sa = make_tensor(make_smem_ptr(a), typename T::SmemLayoutBlockT{});
@@ -91,7 +92,7 @@ __device__ __forceinline__ void store_swizzled(const ThrCopy& thr, const Frag& f
   }
 }
 
-// A score tile's (row, column) view as (query row, KV column): kOwnRows scores are transposed.
+// A score tile's (row, column) view as (query row, KV column): kTransposed scores are.
 template <class Tensor_>
 __device__ __forceinline__ auto query_major_of(Tensor_&& t, std::true_type) {
   return make_tensor(t.data(), make_layout(layout<1>(t), layout<0>(t)));
@@ -104,7 +105,7 @@ __device__ __forceinline__ auto query_major_of(Tensor_&& t, std::false_type) {
 // Coordinates (query row, KV column) of the score tile's elements, in the tile's own orientation.
 template <class T>
 __device__ __forceinline__ auto score_coordinates() {
-  if constexpr (T::kOwnRows)
+  if constexpr (T::kTransposed)
     return make_coord_tensor(make_layout(Shape<Int<T::kBlockN>, Int<T::kStepRows>>{}, make_stride(E<1>{}, E<0>{})));
   else
     return make_identity_tensor(Shape<_64, Int<T::kBlockN>>{});
@@ -139,7 +140,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&st.full[s], T::kProducerThreads + 1);  // every producer thread's copies, the step record
-      Barrier::init(&st.empty[s], T::kConsumerThreads / 32);  // the consumer warps
+      Barrier::init(&st.empty[s], T::kStageReaderWarps);  // the consumer warps that read it
       Barrier::init(&st.record[s], 1);  // the step record, for the producer's warps that do not walk
     }
     Barrier::init(&st.kv_full, T::kProducerThreads);
@@ -166,18 +167,29 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   typename T::MmaSdP mma_sdp;
   typename T::MmaDKV mma_dkv;
-  // kOwnRows: dV and dK of the consumer's 64 KV rows; else dV (consumer 0) or dK (consumer 1).
+  // kTransposed: dV and dK of the consumer's 64 KV rows (solo: partials over its steps); else dV
+  // (consumer 0) or dK (consumer 1).
   Tensor acc_dkv = partition_fragment_C(mma_dkv, Shape<_64, Int<kHeadDim>>{});
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<_64, Int<kHeadDim>>{});
   clear(acc_dkv);
-  if constexpr (T::kOwnRows) clear(acc_dk);
+  if constexpr (T::kTransposed) clear(acc_dk);
   const float scale_log2 = a.scale * float(M_LOG2E);
-  using ScoreShape = std::conditional_t<T::kOwnRows, Shape<Int<kBlockN>, Int<kStepRows>>, Shape<_64, Int<kBlockN>>>;
-  const auto query_major = [](auto&& t) { return query_major_of(t, std::bool_constant<T::kOwnRows>{}); };
+  using ScoreShape = std::conditional_t<T::kTransposed, Shape<Int<kBlockN>, Int<kStepRows>>, Shape<_64, Int<kBlockN>>>;
+  const auto query_major = [](auto&& t) { return query_major_of(t, std::bool_constant<T::kTransposed>{}); };
   Barrier::wait(&st.kv_full, 0);
   float* staged_dq = nullptr;  // the previous step's staged dQ block, to be bulk-added (add_dq)
+  int held_stage = -1;         // solo: the stage whose staged dQ the bulk reductions may still read
+  // A consumer warp releases a stage: its reads are done (and, solo, its bulk reductions' reads).
+  const auto release = [&](int stage_done) {
+    if constexpr (T::kSolo)
+      if (dq_bulk_leader(ctid)) fwd::bulk_store_wait<true>();
+    __syncwarp();  // the warp's reads of the stage before its leader releases it
+    if (ctid % 32 == 0) Barrier::arrive(&st.empty[stage_done]);
+  };
 
-  for (int i = 0;; ++i) {
+  for (int k = 0;; ++k) {
+    // Solo: consumer w takes the walk's steps w, w + 2, ... (stages w and w + 2 of four).
+    const int i = T::kSolo ? 2 * k + warpgroup : k;
     const int stage = i % kStages;
     Barrier::wait(&st.full[stage], (i / kStages) & 1);
     const Step step = st.step[stage];
@@ -193,19 +205,20 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     // negative index cost sign fix-ups (LEA.HI / SHF.R.S32) every step.
     const int ltid = fwd::opaque_thread_index() - T::kProducerThreads;
     __builtin_assume(ltid >= 0 && ltid < T::kConsumerThreads);
-    const int dq_tid = ltid - 128 * T::kDqWarpgroup0;
-    auto thr_sdp = mma_sdp.get_thread_slice(ltid);
-    auto ops_sdp = mma_sdp.get_thread_slice(warpgroup * 128);  // the operands' slice: descriptors
+    const int mtid = T::kSolo ? ltid % 128 : ltid;  // the thread's index in the score MMA
+    const int dq_tid = T::kSolo ? mtid : ltid - 128 * T::kDqWarpgroup0;
+    auto thr_sdp = mma_sdp.get_thread_slice(mtid);
+    auto ops_sdp = mma_sdp.get_thread_slice(T::kSolo ? 0 : warpgroup * 128);  // the operands' slice: descriptors
     Tensor sQ = make_tensor(make_smem_ptr(st.q), typename T::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(st.dout), typename T::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(st.k), typename T::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(st.v), typename T::SmemLayoutK{});
 
-    // S and dP (kOwnRows: S^T = K Q^T and dP^T = V dO^T).
+    // S and dP (kTransposed: S^T = K Q^T and dP^T = V dO^T).
     Tensor tSrS = partition_fragment_C(mma_sdp, ScoreShape{});
     Tensor tdPrdP = partition_fragment_C(mma_sdp, ScoreShape{});
     mark(fwd::kBwdSetupDone);
-    if constexpr (T::kOwnRows) {
+    if constexpr (T::kTransposed) {
       wg_gemm<true, false>(mma_sdp, ops_sdp.partition_fragment_A(sK),
                            ops_sdp.partition_fragment_B(sQ)(_, _, _, stage), tSrS);
       mark(fwd::kBwdSIssued);
@@ -219,8 +232,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                            ops_sdp.partition_fragment_B(sV), tdPrdP);
     }
     mark(fwd::kBwdDpIssued);
-    if constexpr (T::kDqBulk)
-      if (staged_dq) issue_staged_dq<T>(st, staged_dq, dq_tid);  // under the S and dP GEMMs
+    if constexpr (T::kSolo) {
+      if (held_stage >= 0) release(held_stage);  // the previous step's dQ was read under its own tail
+    } else if constexpr (T::kDqBulk) {
+      if (staged_dq) issue_staged_dq<T>(st, staged_dq, 0, dq_tid);  // under the S and dP GEMMs
+    }
     // S is complete (dP may still run): the route mask exactly as in the forward, P, and P out
     // (registers or shared memory) under the dP GEMM. The views below are (query row, KV column)
     // in either orientation.
@@ -251,7 +267,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s_rc); ++c) s_rc(r, c) = fwd::exp2_ftz(s_rc(r, c) * scale_log2 - lse);
     }
-    // P and dS in the input dtype: kOwnRows, as the register A operand of dV / dK (dS also to
+    // P and dS in the input dtype: kTransposed, as the register A operand of dV / dK (dS also to
     // shared memory, transposed, for dQ); else to shared memory. stmatrix: 8 x 8 matrices, 16
     // bytes per thread and instruction.
     Tensor rP = make_tensor<Element>(fwd::acc_as_a_operand(tSrS.layout()));
@@ -261,11 +277,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       CUTE_UNROLL
       for (int e = 0; e < size(dst); ++e) dst(e) = static_cast<Element>(src(e));
     };
-    using StoreAtom = std::conditional_t<T::kOwnRows, SM90_U16x8_STSM_T, SM90_U32x4_STSM_N>;
+    using StoreAtom = std::conditional_t<T::kTransposed, SM90_U16x8_STSM_T, SM90_U32x4_STSM_N>;
     auto copy_pds = make_tiled_copy_C(Copy_Atom<StoreAtom, Element>{}, mma_sdp);
-    auto thr_copy = copy_pds.get_thread_slice(ltid);
+    auto thr_copy = copy_pds.get_thread_slice(mtid);
     to_element(rP, tSrS);
-    if constexpr (T::kOwnRows) {
+    if constexpr (T::kTransposed) {
       // dV of the consumer's KV rows from its own P^T: issued now, under dS.
       issue_dkv_gemm<T>(rP, st.dout, stage, acc_dkv);
       mark(fwd::kBwdDvIssued);
@@ -285,18 +301,24 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       for (int c = 0; c < size<1>(s_rc); ++c) dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - delta);
     }
     to_element(rdS, tdPrdP);
+    // Solo: the consumer's own dS buffer, free since its previous step's dQ GEMM completed.
+    const int ds_buffer = T::kSolo ? warpgroup : buffer;
     {
-      using DsLayout = std::conditional_t<T::kOwnRows, typename T::SmemLayoutPt, typename T::SmemLayoutP>;
-      store_swizzled<StoreAtom>(thr_copy, make_tensor(rdS.data(), tdPrdP.layout()), DsLayout{}, st.ds[buffer]);
+      using DsLayout = std::conditional_t<T::kTransposed, typename T::SmemLayoutPt, typename T::SmemLayoutP>;
+      store_swizzled<StoreAtom>(thr_copy, make_tensor(rdS.data(), tdPrdP.layout()), DsLayout{}, st.ds[ds_buffer]);
     }
     cutlass::arch::fence_view_async_shared();  // P and dS (generic-proxy stores) before the wgmma reads
     mark(fwd::kBwdDsStored);
     const bool dq_warpgroup = T::kDqWarpgroup0 == 0 || wg >= T::kDqWarpgroup0;  // no compare if both
-    // The previous step's staged dQ has been read by its bulk reductions before anyone passes the
-    // barrier and stores this step's (issued at this step's top, under its S and dP GEMMs).
-    if constexpr (T::kDqBulk)
-      if (dq_warpgroup && dq_bulk_leader(dq_tid)) fwd::bulk_store_wait<true>();
-    fwd::barrier_sync(kStepBarrier, T::kConsumerThreads);
+    if constexpr (T::kSolo) {
+      fwd::barrier_sync(kSoloDsBarrier + warpgroup, 128);
+    } else {
+      // The previous step's staged dQ has been read by its bulk reductions before anyone passes the
+      // barrier and stores this step's (issued at this step's top, under its S and dP GEMMs).
+      if constexpr (T::kDqBulk)
+        if (dq_warpgroup && dq_bulk_leader(dq_tid)) fwd::bulk_store_wait<true>();
+      fwd::barrier_sync(kStepBarrier, T::kConsumerThreads);
+    }
     mark(fwd::kBwdStepBarrier);
 
     // dK (and, 64-wide tiles, dV) and dQ. dQ's GEMM goes first where both consumers compute it,
@@ -304,12 +326,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const auto add_dq_after = [&](auto& acc_dq) {
       warpgroup_fence_operand(acc_dq);
       mark(fwd::kBwdDqDone);
-      staged_dq = add_dq<T>(acc_dq, st, step, ws, packed_base, a, si, b, deterministic != 0,
-                            deterministic != 0 && walk.last_of_record(step), dq_tid);
+      staged_dq = add_dq<T>(acc_dq, st, step, stage, ws, packed_base, a, si, b, deterministic != 0,
+                            deterministic != 0 && walk.last_of_record(step), dq_tid,
+                            T::kSolo ? kSoloOrderBarrier + warpgroup : kDqOrderBarrier);
       mark(fwd::kBwdDqAdded);
     };
     const auto issue_dkv = [&]() {
-      if constexpr (T::kOwnRows) issue_dkv_gemm<T>(rdS, st.q, stage, acc_dk);
+      if constexpr (T::kTransposed) issue_dkv_gemm<T>(rdS, st.q, stage, acc_dk);
       else if (wg == 0) issue_dkv_gemm<T>(st.p.data + buffer * 64 * kBlockN, st.dout, stage, acc_dkv);
       else issue_dkv_gemm<T>(st.ds[buffer], st.q, stage, acc_dkv);
     };
@@ -319,7 +342,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       issue_dkv();
       warpgroup_wait<1>();
       add_dq_after(acc_dq);
-    } else if constexpr (T::kDqWarpgroups == 1) {
+    } else if constexpr (T::kDqWarpgroups == 1 && !T::kSolo) {
       // D 64, 64-row steps: consumer 1 alone computes dQ; it issues dQ first and adds under its dK GEMM.
       if (dq_warpgroup) {
         Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<Int<kStepRows>, Int<kHeadDim>>{});
@@ -331,28 +354,38 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         issue_dkv();
       }
     } else {
-      // D 256: dK / dV first (registers: dQ's 64 accumulators beside dK / dV's 128).
+      // D 256: dK / dV first (registers: dQ's 64 accumulators beside dK / dV's 128). Solo: dQ is
+      // staged in the stage whose Q and dO the dK and dV GEMMs read, after they completed.
       issue_dkv();
       Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<Int<kStepRows>, Int<kHeadDim>>{});
-      issue_dq_gemm<T>(st, buffer, acc_dq, (warpgroup - T::kDqWarpgroup0) * 128);
+      issue_dq_gemm<T>(st, ds_buffer, acc_dq, T::kSolo ? 0 : (warpgroup - T::kDqWarpgroup0) * 128);
       warpgroup_wait<0>();
       add_dq_after(acc_dq);
     }
     warpgroup_wait<0>();
     mark(fwd::kBwdStepDone);
     warpgroup_fence_operand(acc_dkv);
-    if constexpr (T::kOwnRows) warpgroup_fence_operand(acc_dk);
-    __syncwarp();  // the warp's reads of the stage before its leader releases it
-    if (ltid % 32 == 0) Barrier::arrive(&st.empty[stage]);  // the stage's last readers are done
+    if constexpr (T::kTransposed) warpgroup_fence_operand(acc_dk);
+    if constexpr (T::kSolo) {
+      if (staged_dq) issue_staged_dq<T>(st, staged_dq, stage, dq_tid);
+      held_stage = stage;  // released under the next step's GEMMs, once its dQ has been read
+    } else {
+      release(stage);  // the stage's last readers are done
+    }
   }
   if constexpr (T::kDqBulk) {
-    const int dq_tid = ctid - 128 * T::kDqWarpgroup0;
-    if (staged_dq) issue_staged_dq<T>(st, staged_dq, dq_tid);
+    const int dq_tid = T::kSolo ? ctid % 128 : ctid - 128 * T::kDqWarpgroup0;
+    if (!T::kSolo && staged_dq) issue_staged_dq<T>(st, staged_dq, 0, dq_tid);
     if (wg >= T::kDqWarpgroup0 && dq_bulk_leader(dq_tid)) fwd::bulk_store_wait<false>();
   }
   const volatile DkvTarget& target = st.dkv_target;
   const int n_owned = target.rows;
-  if constexpr (T::kOwnRows) {
+  if constexpr (T::kSolo) {
+    // Consumer 0 stores dV, consumer 1 dK, each with the other's partial added.
+    sum_solo_partials<T>(acc_dkv, acc_dk, reinterpret_cast<float*>(st.q), wg, ctid % 128);
+    if (wg == 0) store_dkv<T>(acc_dkv, ctid, g, target.dv, n_owned, false);
+    else store_dkv<T>(acc_dk, ctid, g, target.dk, n_owned, true);
+  } else if constexpr (T::kOwnRows) {
     const int row0 = 64 * wg;
     store_dkv<T>(acc_dkv, ctid, g, target.dv + row0 * g.dv_strides.token, n_owned - row0, false);
     store_dkv<T>(acc_dk, ctid, g, target.dk + row0 * g.dk_strides.token, n_owned - row0, true);

@@ -127,8 +127,8 @@ __device__ __forceinline__ void load_step(typename T::SharedStorage& st, const B
 // instructions per step): they read the step from the stage's record. Every thread copies its
 // share and arrives on the stage's full barrier once its copies have landed (cp.async arrive,
 // counted in the barrier's init); thread 0 also after writing the record (with the TMA bytes
-// expected, when the step goes by TMA). After the last step one more stage carries the end of
-// the walk (head -1). The walker rewrites a stage's record only after its empty barrier, which
+// expected, when the step goes by TMA). After the last step T::kEndRecords more stages carry the
+// end of the walk (head -1), one for each consumer that reads its own stages (solo). The walker rewrites a stage's record only after its empty barrier, which
 // follows every thread's arrival on the full barrier, so no record is overwritten unread.
 template <class T>
 __device__ __forceinline__ void produce_steps(typename T::SharedStorage& st, const BackwardParams& g,
@@ -145,18 +145,18 @@ __device__ __forceinline__ void produce_steps(typename T::SharedStorage& st, con
   };
   const auto by_tma = [&](const Step& step) { return maps.tma && step.q0 + T::kStepRows <= si.seqlen_q; };
   if (__shfl_sync(0xffffffffu, ptid / 32, 0) != 0) {
-    for (int i = 0;; ++i) {
+    for (int i = 0, ends = 0;; ++i) {
       const int stage = i % T::kStages;
       Barrier::wait(&st.record[stage], (i / T::kStages) & 1);
       const Step step = st.step[stage];
       if (step.head >= 0) load(step, stage, by_tma(step));
       fwd::cp_async_arrive_noinc(&st.full[stage]);
-      if (step.head < 0) break;
+      if (step.head < 0 && ++ends == T::kEndRecords) break;
     }
   } else {
     Step step;
     bool have = n_valid > 0 && walk.first(step);
-    for (int i = 0;; ++i) {
+    for (int i = 0, ends = 0;; ++i) {
       const int stage = i % T::kStages;
       Barrier::wait(&st.empty[stage], ((i / T::kStages) & 1) ^ 1);
       const bool tma = have && by_tma(step);
@@ -169,7 +169,10 @@ __device__ __forceinline__ void produce_steps(typename T::SharedStorage& st, con
       }
       if (have) load(step, stage, tma);
       fwd::cp_async_arrive_noinc(&st.full[stage]);
-      if (!have) break;
+      if (!have) {
+        if (++ends == T::kEndRecords) break;
+        continue;
+      }
       have = walk.next(step);
     }
   }
