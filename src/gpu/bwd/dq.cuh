@@ -119,25 +119,31 @@ __device__ __forceinline__ float* dq_staging(typename T::SharedStorage& st, int 
   }
 }
 
-// The offset (floats) of region r's block of dQ warp lane / 32 within a step's tiled dQ: the
-// warpgroup's first region (dq_tid / 128), then r more (a solo consumer's D 128 is two regions).
-template <class T>
-__device__ __forceinline__ int dq_warp_block(int dq_tid, int r) {
-  constexpr int kColumns = T::kDqColumns;
-  const int lane = dq_tid % 128;
-  return (dq_tid / 128 + r) * 64 * kColumns + dq_fragment_offset(lane, 0, kColumns) - (lane % 32) * 4;
-}
-
-// The bulk reductions of a dQ warp's staged blocks (add_dq), one per region, by its leader.
-// `tile`: the step's tile in the accumulator, as add_dq returned it.
+// The bulk reductions of a dQ warp's staged blocks (add_dq) by its leader: one for its warpgroup's
+// region (dq_tid / 128), or a solo consumer's for each of its regions. `tile`: the step's tile in
+// the accumulator, as add_dq returned it.
 template <class T>
 __device__ __forceinline__ void bulk_add_dq(typename T::SharedStorage& st, float* tile, int stage, int dq_tid) {
   if (!dq_bulk_leader(dq_tid)) return;
+  constexpr int kColumns = T::kDqColumns;
+  const int lane = dq_tid % 128, first = T::kSolo ? 0 : dq_tid / 128;
   CUTE_UNROLL
-  for (int r = 0; r < T::kDqRegions; ++r) {
-    const int block = dq_warp_block<T>(dq_tid, r);
-    bulk_reduce_add(tile + block, dq_staging<T>(st, stage, block), 16 * T::kDqColumns * 4);
+  for (int r = 0; r < T::kDqStagedRegions; ++r) {
+    const int block = (first + r) * 64 * kColumns + dq_fragment_offset(lane, 0, kColumns) - (lane % 32) * 4;
+    bulk_reduce_add(tile + block, dq_staging<T>(st, stage, block), 16 * kColumns * 4);
   }
+}
+
+// A dQ fragment's values into the step's staging, in the tiled accumulator's order (16-byte stores,
+// conflict-free): region dq_tid / 128.
+template <class T, class Acc>
+__device__ __forceinline__ void stage_dq(const Acc& acc, typename T::SharedStorage& st, int stage, int dq_tid) {
+  constexpr int kColumns = T::kDqColumns;
+  const int base = dq_tid / 128 * 64 * kColumns;
+  CUTE_UNROLL
+  for (int j = 0; j < size(acc) / 4; ++j)
+    *reinterpret_cast<float4*>(dq_staging<T>(st, stage, base + dq_fragment_offset(dq_tid % 128, j, kColumns))) =
+        make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
 }
 
 // The bulk reductions of a warp's staged dQ (add_dq), issued by the caller: one step late where
@@ -159,9 +165,10 @@ __device__ __forceinline__ void issue_staged_dq(typename T::SharedStorage& st, f
 // (solo) the step's GEMMs have completed. Returns, where the block is staged for a bulk reduction in
 // the default order, the step's tile in the accumulator: the caller issues the reductions
 // (issue_staged_dq); else nullptr (added here, or nothing to add). A dQ warpgroup's region is 64
-// rows by kDqColumns columns of the step (kDqRegions of them for a solo consumer): with 128-row
-// steps (T::kDqSplitRows) its own 64-row tile, which it skips when those rows lie past the sequence
-// (the next tile of the accumulator is another sequence's, or past its end).
+// rows by kDqColumns columns of the step: with 128-row steps (T::kDqSplitRows) its own 64-row
+// tile, which it skips when those rows lie past the sequence (the next tile of the accumulator is
+// another sequence's, or past its end). A solo consumer passes its last region here, its others
+// staged before (stage_dq), and adds them all.
 template <class T, class Acc>
 __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStorage& st, const Step& step, int stage,
                                          const BackwardWorkspace& ws, std::int64_t packed_base,
@@ -169,11 +176,10 @@ __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStora
                                          bool deterministic, bool record_done, int dq_tid, int order_barrier) {
   constexpr int kHeadDim = T::kHeadDim, kThreads = 128 * T::kDqWarpgroups;
   constexpr int kColumns = T::kDqColumns, kRegion = 64 * kColumns;  // a region of the tile
-  constexpr int kChunks = kColumns / 8;  // a thread's 16-byte chunks per region
   typename T::MmaDQ mma;
   auto thr = mma.get_thread_slice(dq_tid);
   Tensor c = thr.partition_C(make_identity_tensor(Shape<Int<T::kStepRows>, Int<kHeadDim>>{}));
-  static_assert(decltype(size(acc))::value == 4 * kChunks * T::kDqRegions &&
+  static_assert(decltype(size(acc))::value == kColumns / 2 &&
                     cute::is_same_v<std::decay_t<decltype(stride<0, 0>(c.layout()))>, std::decay_t<decltype(E<1>{})>>,
                 "adjacent fragment values are adjacent columns of one row");
   static_assert(standard_fragment(decltype(c.layout()){}), "the accumulator layout dq_tiles.hpp assumes");
@@ -186,16 +192,9 @@ __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStora
     const std::int64_t index = (dq_padded_start(p, b) + step.q0) / 64;
     return ws.dq_accum + dq_tile_offset(ws.geometry.dq_tiles, step.head, index, kHeadDim);
   };
-  // Value 4 j of the fragment: region j / kChunks (after the warpgroup's first), chunk j % kChunks.
-  const auto offset = [&](int j) {
-    return (region + j / kChunks) * kRegion + dq_fragment_offset(lane, j % kChunks, kColumns);
-  };
   if constexpr (T::kDqBulk) {
     if (bulk) {
-      CUTE_UNROLL
-      for (int j = 0; j < size(acc) / 4; ++j)
-        *reinterpret_cast<float4*>(dq_staging<T>(st, stage, offset(j))) =
-            make_float4(acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+      stage_dq<T>(acc, st, stage, dq_tid);
       if (!deterministic) return rows_in_sequence ? tile() : nullptr;
       cutlass::arch::fence_view_async_shared();  // the stores before the bulk reduction reads them
     }
@@ -205,8 +204,9 @@ __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStora
   const auto semaphore = [&] {
     return ws.semaphores + (static_cast<std::int64_t>(b) * p.heads_q + step.head) * p.max_q_tiles + step.route.q_tile;
   };
+  const bool order_thread = (T::kSolo ? lane : dq_tid) == 0;  // waits for and moves the semaphore
   if (deterministic) {
-    if (dq_tid == 0) {
+    if (order_thread) {
       while (load_acquire(semaphore()) != step.route.position) {
       }
       fence_proxy_async_global();  // the earlier routes' adds before this one's bulk reduction
@@ -222,7 +222,8 @@ __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStora
       float* dst = tile();
       CUTE_UNROLL
       for (int j = 0; j < size(acc) / 4; ++j)
-        red_add_v4(dst + offset(j), acc(4 * j), acc(4 * j + 1), acc(4 * j + 2), acc(4 * j + 3));
+        red_add_v4(dst + region * kRegion + dq_fragment_offset(lane, j, kColumns), acc(4 * j), acc(4 * j + 1),
+                   acc(4 * j + 2), acc(4 * j + 3));
     }
   } else if constexpr (!T::kDqSplitRows && !T::kSolo) {  // these have tile_m % 64 == 0: always tiled
     add_dq_rows<T>(acc, c, step, ws, packed_base, p, si);
@@ -234,7 +235,7 @@ __device__ __forceinline__ float* add_dq(const Acc& acc, typename T::SharedStora
     }
     __threadfence();  // this thread's adds are performed before the semaphore moves on
     fwd::barrier_sync(order_barrier, kThreads);
-    if (dq_tid == 0) store_release(semaphore(), step.route.position + 1);
+    if (order_thread) store_release(semaphore(), step.route.position + 1);
   }
   return nullptr;
 }

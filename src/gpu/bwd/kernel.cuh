@@ -178,7 +178,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const auto query_major = [](auto&& t) { return query_major_of(t, std::bool_constant<T::kTransposed>{}); };
   Barrier::wait(&st.kv_full, 0);
   float* staged_dq = nullptr;  // the previous step's staged dQ block, to be bulk-added (add_dq)
-  int held_stage = -1;         // solo: the stage whose staged dQ the bulk reductions may still read
   // A consumer warp releases a stage: its reads are done (and, solo, its bulk reductions' reads).
   const auto release = [&](int stage_done) {
     if constexpr (T::kSolo)
@@ -233,7 +232,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     mark(fwd::kBwdDpIssued);
     if constexpr (T::kSolo) {
-      if (held_stage >= 0) release(held_stage);  // the previous step's dQ was read under its own tail
+      // The consumer's previous step (two steps back in the walk, two stages back) holds its staged
+      // dQ until the bulk reductions have read it, here, under this step's S and dP GEMMs.
+      if (k > 0) release((stage + 2) % kStages);
     } else if constexpr (T::kDqBulk) {
       if (staged_dq) issue_staged_dq<T>(st, staged_dq, 0, dq_tid);  // under the S and dP GEMMs
     }
@@ -323,11 +324,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
     // dK (and, 64-wide tiles, dV) and dQ. dQ's GEMM goes first where both consumers compute it,
     // so its adds run under the dK / dV GEMM.
-    const auto add_dq_after = [&](auto& acc_dq) {
+    const auto add_dq_after = [&](auto& acc_dq, int slice_tid) {
       warpgroup_fence_operand(acc_dq);
       mark(fwd::kBwdDqDone);
       staged_dq = add_dq<T>(acc_dq, st, step, stage, ws, packed_base, a, si, b, deterministic != 0,
-                            deterministic != 0 && walk.last_of_record(step), dq_tid,
+                            deterministic != 0 && walk.last_of_record(step), slice_tid,
                             T::kSolo ? kSoloOrderBarrier + warpgroup : kDqOrderBarrier);
       mark(fwd::kBwdDqAdded);
     };
@@ -341,7 +342,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       issue_dq_gemm<T>(st, buffer, acc_dq, (warpgroup - T::kDqWarpgroup0) * 128);
       issue_dkv();
       warpgroup_wait<1>();
-      add_dq_after(acc_dq);
+      add_dq_after(acc_dq, dq_tid);
     } else if constexpr (T::kDqWarpgroups == 1 && !T::kSolo) {
       // D 64, 64-row steps: consumer 1 alone computes dQ; it issues dQ first and adds under its dK GEMM.
       if (dq_warpgroup) {
@@ -349,26 +350,41 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         issue_dq_gemm<T>(st, buffer, acc_dq, (warpgroup - T::kDqWarpgroup0) * 128);
         issue_dkv();
         warpgroup_wait<1>();
-        add_dq_after(acc_dq);
+        add_dq_after(acc_dq, dq_tid);
       } else {
         issue_dkv();
       }
-    } else {
-      // D 256: dK / dV first (registers: dQ's 64 accumulators beside dK / dV's 128). Solo: dQ is
-      // staged in the stage whose Q and dO the dK and dV GEMMs read, after they completed.
+    } else if constexpr (T::kSolo) {
+      // dK first, then dQ one region (kDqColumns) at a time, each staged in the stage whose Q and
+      // dO the dK and dV GEMMs read, after they completed; the last region's add adds all.
       issue_dkv();
       Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<Int<kStepRows>, Int<kHeadDim>>{});
-      issue_dq_gemm<T>(st, ds_buffer, acc_dq, T::kSolo ? 0 : (warpgroup - T::kDqWarpgroup0) * 128);
+      CUTE_UNROLL
+      for (int r = 0; r < T::kDqSlices; ++r) {
+        if (r > 0) warpgroup_fence_operand(acc_dq);
+        issue_dq_gemm<T>(st, ds_buffer, acc_dq, r * 128);
+        warpgroup_wait<0>();
+        if (r + 1 < T::kDqSlices) {
+          warpgroup_fence_operand(acc_dq);
+          stage_dq<T>(acc_dq, st, stage, r * 128 + dq_tid);
+        } else {
+          add_dq_after(acc_dq, r * 128 + dq_tid);
+        }
+      }
+    } else {
+      // D 256: dK / dV first (registers: dQ's 64 accumulators beside dK / dV's 128).
+      issue_dkv();
+      Tensor acc_dq = partition_fragment_C(typename T::MmaDQ{}, Shape<Int<kStepRows>, Int<kHeadDim>>{});
+      issue_dq_gemm<T>(st, buffer, acc_dq, (warpgroup - T::kDqWarpgroup0) * 128);
       warpgroup_wait<0>();
-      add_dq_after(acc_dq);
+      add_dq_after(acc_dq, dq_tid);
     }
     warpgroup_wait<0>();
     mark(fwd::kBwdStepDone);
     warpgroup_fence_operand(acc_dkv);
     if constexpr (T::kTransposed) warpgroup_fence_operand(acc_dk);
     if constexpr (T::kSolo) {
-      if (staged_dq) issue_staged_dq<T>(st, staged_dq, stage, dq_tid);
-      held_stage = stage;  // released under the next step's GEMMs, once its dQ has been read
+      if (staged_dq) issue_staged_dq<T>(st, staged_dq, stage, dq_tid);  // the stage's release waits for it
     } else {
       release(stage);  // the stage's last readers are done
     }

@@ -92,11 +92,13 @@ struct Traits {
   // consumer computes all of it.
   static constexpr bool kDqSplitRows = kStepRows == 128;
   static constexpr int kDqWarpgroups = kSolo ? 1 : kDqSplitRows ? 2 : dq_warpgroups(kHeadDim);
-  // Columns of a region of the tiled accumulator (64 rows of the step; dq_tiles.hpp), and of a dQ
-  // warpgroup's GEMM: kDqRegions regions of it (2 for a solo consumer at D 128, else 1).
+  // Columns of a region of the tiled accumulator (64 rows of the step; dq_tiles.hpp), a dQ GEMM's
+  // N. A solo consumer computes its step's kDqSlices regions one after the other (the whole
+  // 64 x 128 accumulator beside dK and dV's made ptxas serialise every wgmma, C7512) and its warps
+  // add all of them (kDqStagedRegions); else a warpgroup computes and adds its own region.
   static constexpr int kDqColumns = kDqSplitRows ? kHeadDim : kHeadDim / dq_warpgroups(kHeadDim);
-  static constexpr int kDqGemmColumns = kSolo ? kHeadDim : kDqColumns;
-  static constexpr int kDqRegions = kDqGemmColumns / kDqColumns;
+  static constexpr int kDqSlices = kSolo ? dq_warpgroups(kHeadDim) : kDqWarpgroups;
+  static constexpr int kDqStagedRegions = kSolo ? kDqSlices : 1;
   static constexpr int kDqWarpgroup0 = kSolo ? 0 : 2 - kDqWarpgroups;  // first consumer that computes dQ
   // dQ's GEMM issued before dK / dV's, its adds under theirs (both consumers compute dQ). Not at
   // D 256: its 64 dQ accumulators per thread beside dK / dV's 128 would not fit. Not solo: dQ is
@@ -175,9 +177,9 @@ struct Traits {
       decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, _64>,
                                                    GMMA::Major::MN, GMMA::Major::MN>()))>;
   using MmaDQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDqGemmColumns>, Int<kBlockN>>, GMMA::Major::K,
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDqColumns>, Int<kBlockN>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
-      std::conditional_t<kDqSplitRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, Int<kDqWarpgroups>, _1>>>{}));
+      std::conditional_t<kDqSplitRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, Int<kDqSlices>, _1>>>{}));
 
   struct SharedStorage {
     alignas(1024) Element k[kBlockN * kHeadDim];
