@@ -179,11 +179,13 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   Barrier::wait(&st.kv_full, 0);
   float* staged_dq = nullptr;  // the previous step's staged dQ block, to be bulk-added (add_dq)
   // A consumer warp releases a stage: its reads are done (and, solo, its bulk reductions' reads).
-  const auto release = [&](int stage_done) {
+  // `thread`: the consumer thread's index, the step's opaque one (ctid would stay live across the
+  // step loop).
+  const auto release = [&](int stage_done, int thread) {
     if constexpr (T::kSolo)
-      if (dq_bulk_leader(ctid)) fwd::bulk_store_wait<true>();
+      if (dq_bulk_leader(thread)) fwd::bulk_store_wait<true>();
     __syncwarp();  // the warp's reads of the stage before its leader releases it
-    if (ctid % 32 == 0) Barrier::arrive(&st.empty[stage_done]);
+    if (thread % 32 == 0) Barrier::arrive(&st.empty[stage_done]);
   };
 
   for (int k = 0;; ++k) {
@@ -234,7 +236,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     if constexpr (T::kSolo) {
       // The consumer's previous step (two steps back in the walk, two stages back) holds its staged
       // dQ until the bulk reductions have read it, here, under this step's S and dP GEMMs.
-      if (k > 0) release((stage + 2) % kStages);
+      if (k > 0) release((stage + 2) % kStages, ltid);
     } else if constexpr (T::kDqBulk) {
       if (staged_dq) issue_staged_dq<T>(st, staged_dq, 0, dq_tid);  // under the S and dP GEMMs
     }
@@ -386,7 +388,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     if constexpr (T::kSolo) {
       if (staged_dq) issue_staged_dq<T>(st, staged_dq, stage, dq_tid);  // the stage's release waits for it
     } else {
-      release(stage);  // the stage's last readers are done
+      release(stage, ltid);  // the stage's last readers are done
     }
   }
   if constexpr (T::kDqBulk) {
