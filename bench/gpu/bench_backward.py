@@ -7,7 +7,8 @@ of 128 x 128; FLOPs counted as 2.5x the forward FLOPs of the kept (q, kv) pairs
 Rows (--rows selects them by name): causal; random blocks at density 0.1, 0.25, 0.5, 1.0 (exactly
 round(d * nKB) random KV blocks per Q block row, one pattern per KV head unless --heads says
 otherwise) with the time(d) / time(1.0) column; D = 64 and D = 256 at density 0.25; D = 64 causal;
-blocks of 64 x 64 at density 0.25 (the kernel of 64-wide KV tiles).
+blocks of 64 x 64 (D 128 and 64, density 0.25; causal at D 128) and of 128 x 64 (density 0.25): the
+kernels of 64-wide KV tiles.
 
 bsattn: a plan from the shim's bsattn_bench_plan made for the backward (bsattn_bench_set_backward:
 problem.backward = true), its forward run once for O and LSE, then Plan::run_backward
@@ -57,7 +58,7 @@ import benchlib  # noqa: E402
 import peer_fa4  # noqa: E402  (imports flash_attn.cute only when asked)
 
 ALL_ROWS = ("causal", "rand0.1", "rand0.25", "rand0.5", "rand1.0", "d64", "d256", "d64-causal", "blk64", "blk64-causal",
-            "d64-blk64")
+            "d64-blk64", "blk128x64")
 P = argparse.ArgumentParser()
 P.add_argument("--lib", required=True)
 P.add_argument("--rows", default=",".join(ALL_ROWS), help="comma list of " + ",".join(ALL_ROWS))
@@ -99,7 +100,8 @@ class Row:
     D: int = 128
     kind: str = "random"  # random | causal
     density: float = 1.0
-    block: int = BLK  # Q and KV block size
+    block: int = BLK  # KV block size (and Q block size unless bq is given)
+    bq: int = 0  # Q block size; 0: block
     res: dict = field(default_factory=dict)   # engine -> (ms, (err dq, dk, dv))
     notes: list = field(default_factory=list)
 
@@ -113,14 +115,15 @@ def rows_wanted():
              "d64-causal": Row("D64-causal", D=64, kind="causal"),
              "blk64": Row("blk64-rand0.25", density=0.25, block=64),
              "blk64-causal": Row("blk64-causal", kind="causal", block=64),
-             "d64-blk64": Row("D64-blk64-rand0.25", D=64, density=0.25, block=64)}
+             "d64-blk64": Row("D64-blk64-rand0.25", D=64, density=0.25, block=64),
+             "blk128x64": Row("blk128x64-rand0.25", density=0.25, block=64, bq=128)}
     return [table[n] for n in ALL_ROWS if n in want]
 
 
-def random_pattern(S, hs, density, seed, block):
+def random_pattern(S, hs, density, seed, block, bq):
     """cnt [1, Hs, nQB], idx [1, Hs, nQB, nKB] int32 (round(density * nKB) random KV blocks per row,
-    ascending, then zeros) and the bool block mask blk [Hs, nQB, nKB]."""
-    nqb = nkb = -(-S // block)
+    ascending, then zeros) and the bool block mask blk [Hs, nQB, nKB] (Q blocks of bq, KV blocks of block)."""
+    nqb, nkb = -(-S // bq), -(-S // block)
     keep = max(1, round(density * nkb))
     g = torch.Generator(device=DEV).manual_seed(seed)
     chosen = torch.rand(hs, nqb, nkb, generator=g, device=DEV).argsort(-1)[..., :keep].sort(-1).values
@@ -135,16 +138,17 @@ def random_pattern(S, hs, density, seed, block):
 class Case:
     """Inputs of one shape: q, k, v, dout (bf16, [1, S, H, D]) and the block pattern."""
 
-    def __init__(self, S, D, kind, density, seed, block=BLK):
+    def __init__(self, S, D, kind, density, seed, block=BLK, bq=0):
         torch.manual_seed(seed)
         self.S, self.D, self.kind, self.density, self.block = S, D, kind, density, block
+        self.bq = bq or block
         self.q = torch.randn(1, S, HQ, D, dtype=torch.bfloat16, device=DEV)
         self.k = torch.randn(1, S, HKV, D, dtype=torch.bfloat16, device=DEV)
         self.v = torch.randn(1, S, HKV, D, dtype=torch.bfloat16, device=DEV)
         self.dout = torch.randn(1, S, HQ, D, dtype=torch.bfloat16, device=DEV)
         self.cnt = self.idx = self.blk = None
         if kind == "random":
-            self.cnt, self.idx, self.blk = random_pattern(S, HS, density, seed + 1, block)
+            self.cnt, self.idx, self.blk = random_pattern(S, HS, density, seed + 1, block, self.bq)
 
     def keep(self, h, r0, r1):
         """bool [r1 - r0, S]: the keys query rows r0..r1 of query head h attend."""
@@ -152,16 +156,16 @@ class Case:
         if self.kind == "causal":
             return kpos[None, :] <= torch.arange(r0, r1, device=DEV)[:, None]
         pat = self.blk[h // (HQ // self.blk.shape[0])]
-        qb = torch.arange(r0, r1, device=DEV) // self.block
+        qb = torch.arange(r0, r1, device=DEV) // self.bq
         return pat[qb][:, kpos // self.block]
 
     def pairs(self):
         """Kept (q, kv) pairs over all query heads."""
         if self.kind == "causal":
             return self.S * (self.S + 1) // 2 * HQ
-        n = -(-self.S // self.block)
-        tok = (self.S - torch.arange(n, device=DEV) * self.block).clamp(max=self.block).double()
-        per = (self.blk.double() * tok[:, None] * tok[None, :]).sum().item()
+        def tokens(b):  # tokens of each block of b
+            return (self.S - torch.arange(-(-self.S // b), device=DEV) * b).clamp(max=b).double()
+        per = (self.blk.double() * tokens(self.bq)[:, None] * tokens(self.block)[None, :]).sum().item()
         return per * (HQ // self.blk.shape[0])
 
 
@@ -210,7 +214,7 @@ class Ours:
         lib = LIB if lib is None else lib
         self.lib = lib
         fmt, hs, causal = (0, 1, 1) if c.kind == "causal" else (1, c.blk.shape[0], 0)
-        self.plan = benchlib.Plan(lib, lib.bsattn_bench_plan(1, c.S, HQ, HKV, c.D, 0, c.block, c.block, fmt, hs, causal,
+        self.plan = benchlib.Plan(lib, lib.bsattn_bench_plan(1, c.S, HQ, HKV, c.D, 0, c.bq, c.block, fmt, hs, causal,
                                                                      -1))
         benchlib.ok(lib, lib.bsattn_bench_set_backward(self.plan.h, int(ARGS.deterministic)))
         self.c = c
@@ -302,8 +306,8 @@ def fa4_grads_fn(row, c, leaves, variant):
             z = (torch.zeros_like(cnt), torch.zeros_like(idx))
             if variant == "full":
                 return BlockSparseTensorsTorch(mask_block_cnt=z[0], mask_block_idx=z[1], full_block_cnt=cnt,
-                                               full_block_idx=idx, block_size=(c.block, c.block))
-            return BlockSparseTensorsTorch(mask_block_cnt=cnt, mask_block_idx=idx, block_size=(c.block, c.block))
+                                               full_block_idx=idx, block_size=(c.bq, c.block))
+            return BlockSparseTensorsTorch(mask_block_cnt=cnt, mask_block_idx=idx, block_size=(c.bq, c.block))
         kw["block_sparse_tensors"] = bst(c.blk)
         kw["block_sparse_tensors_bwd"] = bst(c.blk.transpose(1, 2).contiguous())  # per KV block: its Q blocks
     out = flash_attn_func(*leaves, **kw)[0]
@@ -324,11 +328,11 @@ def flex_grads_fn(row, c, leaves):
     if c.kind == "causal":
         def mod(b, h, qi, ki):
             return qi >= ki
-        bm = create_block_mask(mod, None, None, c.S, c.S, device=DEV, BLOCK_SIZE=(c.block, c.block))
+        bm = create_block_mask(mod, None, None, c.S, c.S, device=DEV, BLOCK_SIZE=(c.bq, c.block))
     else:
         cnt, idx = peer_fa4.fa4_lists(c.blk, HQ)  # [1, Hq or 1, nQB(, nKB)]: the pattern of every query head
         bm = BlockMask.from_kv_blocks(torch.zeros_like(cnt), torch.zeros_like(idx), cnt, idx,
-                                      BLOCK_SIZE=(c.block, c.block),
+                                      BLOCK_SIZE=(c.bq, c.block),
                                       mask_mod=None, seq_lengths=(c.S, c.S))
     qh, kh, vh = (t.transpose(1, 2) for t in leaves)
     out = FLEX["fn"](qh, kh, vh, block_mask=bm, enable_gqa=True)
@@ -379,7 +383,7 @@ def fmt_peer(r, key, flops):
 
 def table(rows, cases, fa4_note):
     dense = next((r for r in rows if r.name == "rand1.0" and "bsattn" in r.res), None)
-    lines = [benchlib.header(f"bf16, B 1, S {ARGS.seqlen}, Hq {HQ} / Hkv {HKV}, blocks {BLK} (blk64: 64), random patterns per "
+    lines = [benchlib.header(f"bf16, B 1, S {ARGS.seqlen}, Hq {HQ} / Hkv {HKV}, blocks {BLK} (blk64: 64, blk128x64: 128 x 64), random patterns per "
                              f"{ {'kv': 'KV head', 'q': 'query head', '1': 'problem'}[ARGS.heads]}; backward FLOPs = "
                              f"2.5 x forward FLOPs of the kept pairs; median of {ARGS.iters} CUDA-event timings"
                              + ("; bsattn deterministic" if ARGS.deterministic else "")), "",
@@ -395,7 +399,7 @@ def table(rows, cases, fa4_note):
         flops = 2.5 * 4.0 * r.D * c.pairs()
         ms = r.res.get("bsattn", (None,))[0]
         tf = f"{flops / ms / 1e9:.0f}" if ms else "—"
-        issue_shape = r.D == 128 and r.block == BLK  # the shape issue 13's targets name
+        issue_shape = r.D == 128 and r.block == BLK and r.bq in (0, BLK)  # the shape issue 13's targets name
         ratio = f"{ms / dense.res['bsattn'][0]:.3f}" if ms and r.kind == "random" and issue_shape and dense else "—"
         sp = [f"{r.res[k][0] / ms:.2f}x" if ms and k in r.res else "—" for k in ("flex", "fa4")]
         if r.kind == "causal" and issue_shape:
@@ -429,7 +433,7 @@ def main():
         benchlib.write(ARGS.out, table(rows, cases, note))
 
     for r in rows:  # bsattn on every row first (no compilation)
-        c = Case(ARGS.seqlen, r.D, r.kind, r.density, 1000 + len(cases), r.block)
+        c = Case(ARGS.seqlen, r.D, r.kind, r.density, 1000 + len(cases), r.block, r.bq)
         cases[r.name] = c
         refs[r.name] = {hk: reference_grads(c, hk) for hk in (0, HKV - 1)}
         try:
@@ -458,7 +462,7 @@ def main():
                 ("D64-rand0.25", "flex"), ("D64-rand0.25", "fa4"), ("D256-rand0.25", "flex"), ("D256-rand0.25", "fa4"),
                 ("D64-causal", "fa4"), ("blk64-rand0.25", "fa4"), ("blk64-rand0.25", "flex"), ("D64-causal", "flex"),
                 ("blk64-causal", "fa4"), ("blk64-causal", "flex"), ("D64-blk64-rand0.25", "fa4"),
-                ("D64-blk64-rand0.25", "flex")]
+                ("D64-blk64-rand0.25", "flex"), ("blk128x64-rand0.25", "fa4"), ("blk128x64-rand0.25", "flex")]
     byname = {r.name: r for r in rows}
     for name, peer in priority:
         r = byname.get(name)

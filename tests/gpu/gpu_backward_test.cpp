@@ -356,10 +356,14 @@ TEST(GpuBackward, HeadDim64StepsOf128Rows) {
 // columns past the block masked), D 64 and 128: the solo consumers (backward_solo_steps), each
 // taking every other step with its own dQ, their dK / dV partials summed after the walk (a CTA
 // with one step, or an odd count, leaves one consumer a step short); and the deterministic order.
+// Q tiles of 128 (blocks 128 x 64): the consumers split each entry's two steps in the default
+// order; the deterministic sweep there runs the shared kernel.
 TEST(GpuBackward, SoloConsumersOn64WideTiles) {
   REQUIRE_SM90();
   check_variant(64, 64, 32, 48, 41000);
   check_variant(128, 64, 32, 64, 42000);
+  check_variant(128, 128, 64, 64, 43000);
+  check_variant(64, 128, 32, 64, 44000);
 }
 
 // One plan runs the forward and then the backward on its routes, as the Python autograd does.
