@@ -356,8 +356,7 @@ TEST(GpuBackward, HeadDim64StepsOf128Rows) {
 // columns past the block masked), D 64 and 128: the solo consumers (backward_solo_steps), each
 // taking every other step with its own dQ, their dK / dV partials summed after the walk (a CTA
 // with one step, or an odd count, leaves one consumer a step short); and the deterministic order.
-// Q tiles of 128 (blocks 128 x 64): the consumers split each entry's two steps in the default
-// order; the deterministic sweep there runs the shared kernel.
+// Blocks 128 x 64 (Q tiles of 128) beside them run the shared 64-wide kernel.
 TEST(GpuBackward, SoloConsumersOn64WideTiles) {
   REQUIRE_SM90();
   check_variant(64, 64, 32, 48, 41000);

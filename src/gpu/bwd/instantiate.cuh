@@ -41,9 +41,9 @@ cudaError_t dispatch_width(const BackwardParams* g, int block_n, const BackwardW
       if (launch_variant<Traits<Element, kHeadDim, kFirst, 128>>(
               backward_step_rows(kHeadDim, kFirst, tile_m) == 128, g, ws, overflow, deterministic, s, e))
         return e;
-    if constexpr (backward_solo_steps(kHeadDim, kFirst, 64, true))
+    if constexpr (backward_solo_steps(kHeadDim, kFirst, 64))
       if (launch_variant<Traits<Element, kHeadDim, kFirst, 64, true>>(
-              backward_solo_steps(kHeadDim, kFirst, tile_m, deterministic), g, ws, overflow, deterministic, s, e))
+              backward_solo_steps(kHeadDim, kFirst, tile_m), g, ws, overflow, deterministic, s, e))
         return e;
     return launch_backward<Traits<Element, kHeadDim, kFirst>>(g, ws, overflow, deterministic, s);
   }

@@ -57,11 +57,11 @@ struct SmemArray<E, 0> {};
 // Whether the kernel of KV tile width block_n runs a route of Q tiles of tile_m rows with solo
 // consumers (Traits::kSolo): 64-wide tiles, whose shared score GEMMs are N = 32 per consumer and
 // whose P and dS go through shared memory to the other consumer's dV or dK (356 TFLOP/s at D 128,
-// density 0.25, against 515 for 128-wide tiles, bench/RESULTS.md 2026-12-07). The deterministic dQ
-// order counts column entries, so there a consumer must own whole entries: Q tiles of 64 rows,
-// where an entry is one step. In the default order the consumers split longer entries by steps.
-BSATTN_HD constexpr bool backward_solo_steps(int head_dim, int block_n, int tile_m, bool deterministic) {
-  return block_n == 64 && head_dim <= 128 && tile_m % 64 == 0 && (tile_m == 64 || !deterministic);
+// density 0.25, against 515 for 128-wide tiles, bench/RESULTS.md 2026-12-07). Q tiles of 64 rows
+// make every column entry one step, so a consumer owns whole entries (the deterministic dQ order
+// counts entries).
+BSATTN_HD constexpr bool backward_solo_steps(int head_dim, int block_n, int tile_m) {
+  return block_n == 64 && head_dim <= 128 && tile_m == 64;
 }
 
 template <class Element_, int kHeadDim_, int kBlockN_, int kStepRows_ = 64, bool kSolo_ = false>
@@ -81,7 +81,7 @@ struct Traits {
   static_assert(fwd::register_split_fits(kProducerThreads, kProducerRegs, kConsumerThreads, kConsumerRegs),
                 "the consumers' registers exceed the CTA's allocation");
   static constexpr bool kSolo = kSolo_;
-  static_assert(!kSolo || backward_solo_steps(kHeadDim, kBlockN, 64, true), "solo consumers: 64-wide tiles, D <= 128");
+  static_assert(!kSolo || backward_solo_steps(kHeadDim, kBlockN, 64), "solo consumers: 64-wide tiles, D <= 128");
   static constexpr bool kOwnRows = kBlockN == 128;
   // Scores transposed (S^T = K Q^T, dP^T = V dO^T: a consumer's KV rows x the step's query rows),
   // P^T and dS^T the register A operands of dV and dK.
