@@ -128,8 +128,9 @@ __device__ __forceinline__ void load_step(typename T::SharedStorage& st, const B
 // share and arrives on the stage's full barrier once its copies have landed (cp.async arrive,
 // counted in the barrier's init); thread 0 also after writing the record (with the TMA bytes
 // expected, when the step goes by TMA). After the last step T::kEndRecords more stages carry the
-// end of the walk (head -1), one for each consumer that reads its own stages (solo). The walker rewrites a stage's record only after its empty barrier, which
-// follows every thread's arrival on the full barrier, so no record is overwritten unread.
+// end of the walk (head -1), one for each consumer that reads its own stages (solo). The walker
+// rewrites a stage's record only after its empty barrier, which follows every thread's arrival on
+// the full barrier, so no record is overwritten unread.
 template <class T>
 __device__ __forceinline__ void produce_steps(typename T::SharedStorage& st, const BackwardParams& g,
                                               const StepMaps& maps, const BackwardWorkspace& ws, const StepWalk& walk,
