@@ -107,10 +107,10 @@ __device__ __forceinline__ void add_dq_rows(const Acc& acc, const Coords& c, con
 __device__ __forceinline__ bool dq_bulk_leader(int dq_tid) { return dq_tid % 32 == 0; }
 
 // Where offset `offset` (floats, the step's tiled regions in order) of a step's staged dQ lies in
-// shared memory: the staging buffer, or (T::kDqInStage) the step's stage, its Q then its dO.
+// shared memory: the staging buffer, or (solo consumers) the step's stage, its Q then its dO.
 template <class T>
 __device__ __forceinline__ float* dq_staging(typename T::SharedStorage& st, int stage, int offset) {
-  if constexpr (T::kDqInStage) {
+  if constexpr (T::kSolo) {
     constexpr int kStageElements = T::kStepRows * T::kHeadDim, kHalf = kStageElements / 2;  // floats in a Q
     const bool in_q = offset < kHalf;
     return reinterpret_cast<float*>((in_q ? st.q : st.dout) + stage * kStageElements) + (in_q ? offset : offset - kHalf);

@@ -130,9 +130,8 @@ struct Traits {
   static constexpr int kDqStageBytes = kStepRows * kHeadDim * static_cast<int>(sizeof(float));
   static_assert(!kSolo || kDqStageBytes == 2 * kStepRows * kHeadDim * static_cast<int>(sizeof(Element)),
                 "solo dQ fills its stage's Q and dO");
-  static constexpr bool kDqInStage = kSolo;
   static constexpr bool kDqBulk = kSolo || kOperandBytes + kDqStageBytes + 2 * kStepBytes + 2048 <= 227 * 1024;
-  static constexpr int kFixedBytes = kOperandBytes + (kDqBulk && !kDqInStage ? kDqStageBytes : 0);
+  static constexpr int kFixedBytes = kOperandBytes + (kDqBulk && !kSolo ? kDqStageBytes : 0);
   // Solo: two stages per consumer (consumer w reads stages w and w + 2: its steps are every other).
   static constexpr int kStages = kSolo ? 4 : kFixedBytes + 3 * kStepBytes + 2048 <= 227 * 1024 ? 3 : 2;
   static_assert(kDqBulk || !kDqSplitRows, "128-row steps stage dQ (add_dq skips rows past the sequence there)");
@@ -188,7 +187,7 @@ struct Traits {
     alignas(1024) Element dout[kStages * kStepRows * kHeadDim];
     alignas(1024) Element ds[kDsBuffers][kStepRows * kBlockN];
     SmemArray<Element, kPBuffers * 64 * kBlockN> p;  // buffer j at data + j * 64 * kBlockN
-    SmemArray<float, kDqBulk && !kDqInStage ? kStepRows * kHeadDim : 0> dq;  // the step's dQ, tiled (dq_tiles.hpp)
+    SmemArray<float, kDqBulk && !kSolo ? kStepRows * kHeadDim : 0> dq;  // the step's dQ, tiled (dq_tiles.hpp)
     float lse_log2[kStages][kStepRows];
     float delta[kStages][kStepRows];
     Step step[kStages];  // the stage's step, from the producer; head < 0: the walk has ended
