@@ -148,13 +148,15 @@ def test_without_matplotlib_the_table_says_how_to_get_the_plot(tmp_path, capsys,
 
 
 def test_video_tokens_are_local_and_tiles_are_compact_boxes(seed):
-    spec = quality.VideoTokens(grid=(4, 8, 16), heads=1, head_dim=64, noise=0.0, content=0.0, seed=seed)
+    # Eight heads, each its own draw of 64 random features: one head's mean cosine at a distance
+    # of 12 has a spread of 0.1 (|far| reached 0.32 on one seed in CI), eight heads' of 0.034.
+    spec = quality.VideoTokens(grid=(4, 8, 16), heads=8, head_dim=64, noise=0.0, content=0.0, seed=seed)
     _, k, _ = quality.video_tokens(spec)
-    keys = k[0, :, 0].reshape(4, 8, 16, 64)
+    keys = k[0].reshape(4, 8, 16, 8, 64)
     keys = keys / np.linalg.norm(keys, axis=-1, keepdims=True)
 
     def similarity(step):  # mean cosine of keys `step` tokens apart along w; about exp(-step^2 / 32)
-        return (keys[..., step:, :] * keys[..., :-step, :]).sum(-1).mean()
+        return (keys[:, :, step:] * keys[:, :, :-step]).sum(-1).mean()
 
     near, middle, far = similarity(1), similarity(4), similarity(12)
     assert near > 0.85 and near > middle > far and abs(far) < 0.3, (seed, near, middle, far)
