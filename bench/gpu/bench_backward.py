@@ -8,7 +8,8 @@ Rows (--rows selects them by name): causal; random blocks at density 0.1, 0.25, 
 round(d * nKB) random KV blocks per Q block row, one pattern per KV head unless --heads says
 otherwise) with the time(d) / time(1.0) column; D = 64 and D = 256 at density 0.25; D = 64 causal;
 blocks of 64 x 64 (D 128 and 64, density 0.25; causal at D 128) and of 128 x 64 (density 0.25): the
-kernels of 64-wide KV tiles.
+kernels of 64-wide KV tiles, but for blk64-causal: causal rows keep every block (format all_blocks),
+and such a plan builds its routes from blocks of 128 whatever block it names (docs/GPU.md, Tiles).
 
 bsattn: a plan from the shim's bsattn_bench_plan made for the backward (bsattn_bench_set_backward:
 problem.backward = true), its forward run once for O and LSE, then Plan::run_backward

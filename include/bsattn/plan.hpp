@@ -54,7 +54,10 @@ class Plan {
   void check(Stream stream = nullptr);
 
   bool planned() const;
-  const Problem& problem() const;
+  const Problem& problem() const;  // as given to plan()
+  // The tiles the plan runs. A GPU prefill plan of format all_blocks takes those of blocks of
+  // 128 x 128 whatever problem.block says (docs/GPU.md, "Tiles"): the block size of such a
+  // pattern does not change what is computed.
   const TileShape& tiles() const;
   int route_capacity() const;        // records per route row
   std::size_t workspace_bytes() const;

@@ -101,6 +101,23 @@ static void choose_decode(const Problem& pb, const route::RouteParams& geo, int 
   if (forced_splits > 0) t.kv_splits = forced_splits;
 }
 
+// The block size a GPU prefill plan builds its routes from (`block`, changed only where this
+// returns true). All blocks kept and a token-level mask: the block size does not change what is
+// computed, only the tiles, so such a plan takes blocks of 128 x 128, whose kernels are the
+// fastest (bf16, D 128, bench/RESULTS.md: the causal backward at about 400 TFLOP/s on blocks of 64,
+// 536 on blocks of 128; the forward at 527 on blocks of 64 x 64 against 601-632 on 128 x 128).
+// Not where the caller fixed the tiles or the route capacity (both counted in its blocks), not at
+// D 256 (its tiles are 64 wide whatever the block), not for a decode plan (its tiles follow the
+// queries).
+static bool gpu_route_blocks(const Problem& pb, const TileShape& tiles, BlockSize& block) {
+  if (pb.format != Format::all_blocks || pb.proxy != Proxy::off || pb.tile_m > 0 || pb.tile_n > 0 ||
+      pb.max_routes_per_row > 0 || pb.head_dim > 128 || tiles.packed_heads > 0)
+    return false;
+  if (tiles.tile_m == 128 && tiles.unit_m == 128 && tiles.tile_n == 128) return false;
+  block = BlockSize{128, 128};
+  return true;
+}
+
 // The GPU plan's workspace: one cudaMalloc at plan time, carved into the overflow flag, route
 // counts, derived varlen offsets and route records. run() allocates nothing.
 struct DeviceWorkspace {
@@ -224,7 +241,8 @@ struct DeviceWorkspace {};
 #endif
 
 struct Plan::Impl {
-  Problem problem;
+  Problem requested;  // as given to plan(): Plan::problem()
+  Problem problem;    // what the routes are built from (gpu_route_blocks may change the block size)
   TileShape tiles;
   int capacity = 0;
   std::vector<route::Route> routes;
@@ -274,7 +292,7 @@ static Plan::Impl& require(const std::unique_ptr<Plan::Impl>& impl) {
   return *impl;
 }
 
-const Problem& Plan::problem() const { return require(impl_).problem; }
+const Problem& Plan::problem() const { return require(impl_).requested; }
 const TileShape& Plan::tiles() const { return require(impl_).tiles; }
 int Plan::route_capacity() const { return require(impl_).capacity; }
 std::size_t Plan::workspace_bytes() const {
@@ -287,9 +305,11 @@ std::size_t Plan::workspace_bytes() const {
          (i.cu_total_m_blocks.size() + i.cu_block_idx_offsets.size()) * sizeof(std::int32_t);
 }
 
-void Plan::plan(const Problem& problem) {
+void Plan::plan(const Problem& requested) {
   auto next = std::make_unique<Impl>();
-  next->problem = problem;
+  next->requested = requested;
+  next->problem = requested;
+  const Problem& problem = next->problem;  // gpu_route_blocks may change its block size below
   next->tiles = choose_tiles(problem);
   formats::validate_problem(problem, next->tiles);
   if (problem.device == Device::cuda) {
@@ -316,13 +336,15 @@ void Plan::plan(const Problem& problem) {
       if (decode.packed_heads > 0 &&
           gpu::forward_kernel_block_n(et, problem.head_dim, decode.tile_m, decode.tile_n, false, true) != 0)
         next->tiles = decode;
+      else if (gpu_route_blocks(problem, next->tiles, next->problem.block))
+        next->tiles = choose_tiles(problem);
       // Prefill tiles of 64 rows and one query head have one consumer warpgroup: the GPU takes the
       // route width whose kernel fits two CTAs per multiprocessor (gpu::prefill_route_tile_n; a KV
       // block of 128 then becomes two routes). Not for proxy routes (a window per 64 blocks costs
       // more than one per 128) nor a plan for the backward (its kernels take the forward's tiles).
       TileShape& t = next->tiles;
       if (t.packed_heads == 0 && problem.tile_n == 0 && problem.proxy == Proxy::off && !problem.backward) {
-        t.tile_n = gpu::prefill_route_tile_n(et, problem.head_dim, prefill);
+        t.tile_n = gpu::prefill_route_tile_n(et, problem.head_dim, formats::route_geometry(problem, t, 0));
         t.kv_split = problem.block.kv / t.tile_n;
       }
     }

@@ -365,6 +365,29 @@ TEST(GpuBackward, SoloConsumersOn64WideTiles) {
   check_variant(64, 128, 32, 64, 44000);
 }
 
+// all_blocks plans with blocks of 16 to 128 build their routes from blocks of 128 x 128
+// (plan.cpp, gpu_route_blocks): the backward then runs the 128-wide kernels, the gradients those of
+// the caller's problem (the CPU backward keeps its blocks); every mask, batched and varlen, GQA.
+TEST(GpuBackward, AllBlocksPlansTakeBlocksOf128) {
+  REQUIRE_SM90();
+  const int blocks[][2] = {{64, 64}, {32, 48}, {128, 64}, {64, 128}, {16, 16}, {64, 32}};
+  std::uint64_t seed = 45000;
+  for (int i = 0; i < 6; ++i) {
+    BackwardSpec spec = mask_spec(i, i % 2 == 1, seed++);
+    spec.forward.format = Format::all_blocks;
+    spec.forward.bq = blocks[i][0];
+    spec.forward.bk = blocks[i][1];
+    spec.forward.head_dim = i < 4 ? 128 : 64;
+    spec.dlse = i % 3 == 0;
+    Problem problem = make_case(spec.forward)->problem;
+    problem.backward = true;
+    const Plan plan(problem);
+    EXPECT_EQ(plan.tiles().tile_m, 128);
+    EXPECT_EQ(plan.tiles().tile_n, 128);
+    check_backward(spec);
+  }
+}
+
 // One plan runs the forward and then the backward on its routes, as the Python autograd does.
 TEST(GpuBackward, SamePlanForwardThenBackward) {
   REQUIRE_SM90();

@@ -97,6 +97,56 @@ TEST(GpuForward, PersistentManyTiles) {
 // runs 64-wide routes, two per KV block, so that two CTAs share a multiprocessor; packable heads,
 // an explicit tile_n and a plan for the backward keep the KV block's width. Every format, masks,
 // varlen, tails; results against the CPU engine.
+// all_blocks with a token-level mask: the block size does not change what is computed, so a GPU
+// prefill plan builds its routes from blocks of 128 x 128 (plan.cpp, gpu_route_blocks) whatever
+// block the caller named, and Plan::problem() stays the caller's. Blocks of 16 to 128 (units of a
+// tile, KV blocks cut by tiles), every mask, batched and varlen, GQA with a shared pattern. Kept:
+// explicit tiles, block lists, D 256.
+TEST(GpuForward, AllBlocksPlansTakeBlocksOf128) {
+  REQUIRE_SM90();
+  const int blocks[][2] = {{64, 64}, {32, 48}, {128, 64}, {64, 128}, {16, 16}, {64, 32}};
+  std::uint64_t seed = 9700;
+  for (int i = 0; i < 6; ++i) {
+    CaseSpec spec;
+    spec.format = Format::all_blocks;
+    spec.varlen = i % 2 == 1;
+    spec.bq = blocks[i][0];
+    spec.bk = blocks[i][1];
+    spec.mask = i;
+    spec.max_seqlen = 333 + 41 * i;
+    spec.hq = 4;
+    spec.hkv = i < 3 ? 2 : 4;
+    spec.seed = seed++;
+    auto c = make_case(spec);
+    SCOPED_TRACE(c->name);
+    {
+      Plan plan(c->problem);
+      EXPECT_EQ(plan.tiles().tile_m, 128);
+      EXPECT_EQ(plan.tiles().unit_m, 128);
+      EXPECT_EQ(plan.tiles().tile_n, 128);
+      EXPECT_EQ(plan.problem().block.q, spec.bq);
+      EXPECT_EQ(plan.problem().block.kv, spec.bk);
+      plan.run(c->in_device, c->out_device, nullptr);
+      plan.check(nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+    }
+    expect_close(*c, download(*c), run_cpu(*c));
+  }
+  const auto problem_of = [](Format format, int head_dim) {
+    CaseSpec spec;
+    spec.format = format;
+    spec.head_dim = head_dim;
+    spec.bq = spec.bk = 64;
+    spec.max_seqlen = 300;
+    return make_case(spec)->problem;
+  };
+  Problem explicit_tiles = problem_of(Format::all_blocks, 128);
+  explicit_tiles.tile_n = 64;
+  EXPECT_EQ(Plan(explicit_tiles).tiles().tile_m, 64);
+  EXPECT_EQ(Plan(problem_of(Format::block_lists, 128)).tiles().tile_m, 64);
+  EXPECT_EQ(Plan(problem_of(Format::all_blocks, 256)).tiles().tile_m, 64);
+}
+
 TEST(GpuForward, UnpackedRows64TilesTakeTwoRoutesPerBlock) {
   REQUIRE_SM90();
   std::uint64_t seed = 9500;
@@ -116,6 +166,7 @@ TEST(GpuForward, UnpackedRows64TilesTakeTwoRoutesPerBlock) {
     spec.seed = seed++;
     auto c = make_case(spec);
     SCOPED_TRACE(c->name);
+    c->problem.tile_m = 64;  // all_blocks would otherwise take blocks of 128 (AllBlocksPlansTakeBlocksOf128)
     {
       Plan plan(c->problem);
       EXPECT_EQ(plan.tiles().tile_n, 64);
