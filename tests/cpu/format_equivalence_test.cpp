@@ -1,7 +1,8 @@
 // SPEC §3 and §5: every input format is prepared into one route stream, so the same selection
 // written as block lists, varlen block lists, BSR or a bitmask gives bitwise identical outputs.
 // Bitmask bits at or beyond nKB change nothing, nor does the thread count; a partial block the
-// mask keeps whole gives the same bits as a full block. Also the varlen offset helper.
+// mask keeps whole gives the same bits as a full block; an all_blocks problem gives the same
+// result under any block size. Also the varlen offset helper.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -100,6 +101,27 @@ TEST_P(WholeBlocksAsFullTest, SameOutputAsPartial) {
   EXPECT_TRUE(bytes == reference) << c->describe() << " (" << moved << " blocks moved to the full set)";
 }
 INSTANTIATE_TEST_SUITE_P(Random, WholeBlocksAsFullTest, ::testing::Range(0, 60));
+
+// Format all_blocks keeps every block and masks per token, so its block size does not change what
+// is computed: a GPU plan of that format builds its routes from blocks of 128 x 128 whatever block
+// it names (plan.cpp, gpu_route_blocks). The same inputs and masks under the drawn blocks and
+// under blocks of 128 both match the float64 oracle (batched, varlen, paged; every built-in mask).
+class AllBlocksBlockSizeTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(AllBlocksBlockSizeTest, BlocksOf128GiveTheSameResult) {
+  CaseOptions options;
+  options.format = Format::all_blocks;
+  options.custom_mask = false;
+  const auto c = make_random_case(3500000 + static_cast<std::uint64_t>(GetParam()), options);
+  const std::string drawn = check_against_oracle(*c);
+  ASSERT_TRUE(drawn.empty()) << drawn;
+  c->problem.block = bsattn::BlockSize{128, 128};
+  c->problem.tile_m = c->problem.tile_n = 0;
+  c->poison_outputs();
+  const std::string of_128 = check_against_oracle(*c);
+  EXPECT_TRUE(of_128.empty()) << "blocks of 128: " << of_128;
+}
+INSTANTIATE_TEST_SUITE_P(Random, AllBlocksBlockSizeTest, ::testing::Range(0, 60));
 
 // bsattn::varlen_block_offsets (SPEC §3.2) against the prefix sums of nQB(b) and nQB(b) * nKB(b),
 // for packed and paged KV, with and without seqused_k.
