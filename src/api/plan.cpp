@@ -106,13 +106,19 @@ static void choose_decode(const Problem& pb, const route::RouteParams& geo, int 
 // computed, only the tiles, so such a plan takes blocks of 128 x 128, whose kernels are the
 // fastest (bf16, D 128, bench/RESULTS.md: the causal backward at about 400 TFLOP/s on blocks of 64,
 // 536 on blocks of 128; the forward at 527 on blocks of 64 x 64 against 601-632 on 128 x 128).
-// Not where the caller fixed the tiles or the route capacity (both counted in its blocks), not at
-// D 256 (its tiles are 64 wide whatever the block), not for a decode plan (its tiles follow the
-// queries).
+// Only where the mask's band is wide: route preparation skips the tiles a mask hides, and a tile
+// of 128 x 128 computes about W + 256 keys per row of a left window of W tokens against W + 128 on
+// tiles of 64, more than the faster kernels gain below kWideWindow; document ids and KV validity
+// bits hide tiles by their values, which the plan does not see. Not where the caller fixed the
+// tiles or the route capacity (both counted in its blocks), not at D 256 (its tiles are 64 wide
+// whatever the block), not for a decode plan (its tiles follow the queries).
 static bool gpu_route_blocks(const Problem& pb, const TileShape& tiles, BlockSize& block) {
+  constexpr int kWideWindow = 1024;
   if (pb.format != Format::all_blocks || pb.proxy != Proxy::off || pb.tile_m > 0 || pb.tile_n > 0 ||
       pb.max_routes_per_row > 0 || pb.head_dim > 128 || tiles.packed_heads > 0)
     return false;
+  const MaskSpec& m = pb.mask;
+  if (m.document_ids || m.kv_valid_bits || (m.window_left >= 0 && m.window_left < kWideWindow)) return false;
   if (tiles.tile_m == 128 && tiles.unit_m == 128 && tiles.tile_n == 128) return false;
   block = BlockSize{128, 128};
   return true;

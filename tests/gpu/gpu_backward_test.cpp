@@ -365,25 +365,34 @@ TEST(GpuBackward, SoloConsumersOn64WideTiles) {
   check_variant(64, 128, 32, 64, 44000);
 }
 
-// all_blocks plans with blocks of 16 to 128 build their routes from blocks of 128 x 128
-// (plan.cpp, gpu_route_blocks): the backward then runs the 128-wide kernels, the gradients those of
-// the caller's problem (the CPU backward keeps its blocks); every mask, batched and varlen, GQA.
+// all_blocks plans with blocks of 16 to 128 and a wide band (no mask, causal) build their routes
+// from blocks of 128 x 128 (plan.cpp, gpu_route_blocks): the backward then runs the 128-wide
+// kernels, the gradients those of the caller's problem (the CPU backward keeps its blocks);
+// batched and varlen, GQA, D 64 and 128. A narrow window and document ids keep the caller's tiles.
 TEST(GpuBackward, AllBlocksPlansTakeBlocksOf128) {
   REQUIRE_SM90();
-  const int blocks[][2] = {{64, 64}, {32, 48}, {128, 64}, {64, 128}, {16, 16}, {64, 32}};
+  struct Shape {
+    int bq, bk, mask;
+    bool blocks_of_128;
+  };
+  const Shape shapes[] = {{64, 64, 0, true}, {32, 48, 1, true},  {128, 64, 1, true},
+                          {64, 128, 0, true}, {16, 16, 1, true}, {64, 32, 0, true},
+                          {64, 64, 3, false}, {64, 64, 4, false}};
   std::uint64_t seed = 45000;
-  for (int i = 0; i < 6; ++i) {
-    BackwardSpec spec = mask_spec(i, i % 2 == 1, seed++);
+  for (int i = 0; i < 8; ++i) {
+    const Shape& shape = shapes[i];
+    BackwardSpec spec = mask_spec(shape.mask, i % 2 == 1, seed++);
     spec.forward.format = Format::all_blocks;
-    spec.forward.bq = blocks[i][0];
-    spec.forward.bk = blocks[i][1];
-    spec.forward.head_dim = i < 4 ? 128 : 64;
+    spec.forward.bq = shape.bq;
+    spec.forward.bk = shape.bk;
+    spec.forward.head_dim = i == 4 || i == 5 ? 64 : 128;
     spec.dlse = i % 3 == 0;
     Problem problem = make_case(spec.forward)->problem;
     problem.backward = true;
+    const TileShape own = choose_tiles(problem);
     const Plan plan(problem);
-    EXPECT_EQ(plan.tiles().tile_m, 128);
-    EXPECT_EQ(plan.tiles().tile_n, 128);
+    EXPECT_EQ(plan.tiles().tile_m, shape.blocks_of_128 ? 128 : own.tile_m);
+    if (shape.blocks_of_128) EXPECT_EQ(plan.tiles().tile_n, 128);
     check_backward(spec);
   }
 }

@@ -98,32 +98,42 @@ TEST(GpuForward, PersistentManyTiles) {
 // an explicit tile_n and a plan for the backward keep the KV block's width. Every format, masks,
 // varlen, tails; results against the CPU engine.
 // all_blocks with a token-level mask: the block size does not change what is computed, so a GPU
-// prefill plan builds its routes from blocks of 128 x 128 (plan.cpp, gpu_route_blocks) whatever
-// block the caller named, and Plan::problem() stays the caller's. Blocks of 16 to 128 (units of a
-// tile, KV blocks cut by tiles), every mask, batched and varlen, GQA with a shared pattern. Kept:
-// explicit tiles, block lists, D 256.
+// prefill plan builds its routes from blocks of 128 x 128 (plan.cpp, gpu_route_blocks) where the
+// mask's band is wide (no left window, or one of 1024 tokens or more; no document ids or KV
+// validity bits), whatever block the caller named; Plan::problem() stays the caller's. Blocks of
+// 16 to 128 (units of a tile, KV blocks cut by tiles), batched and varlen, GQA and MHA; the other
+// masks keep the caller's tiles, and so do explicit tiles, block lists and D 256.
 TEST(GpuForward, AllBlocksPlansTakeBlocksOf128) {
   REQUIRE_SM90();
-  const int blocks[][2] = {{64, 64}, {32, 48}, {128, 64}, {64, 128}, {16, 16}, {64, 32}};
+  struct Shape {
+    int bq, bk, mask, window_left;  // window_left >= 0 replaces the drawn one
+    bool blocks_of_128;
+  };
+  const Shape shapes[] = {{64, 64, 0, -1, true},   {32, 48, 1, -1, true},    {128, 64, 2, 1100, true},
+                          {64, 128, 2, -1, false}, {16, 16, 4, -1, false},   {64, 32, 5, -1, false},
+                          {64, 64, 3, -1, false},  {16, 16, 1, -1, true}};
   std::uint64_t seed = 9700;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 8; ++i) {
+    const Shape& shape = shapes[i];
     CaseSpec spec;
     spec.format = Format::all_blocks;
     spec.varlen = i % 2 == 1;
-    spec.bq = blocks[i][0];
-    spec.bk = blocks[i][1];
-    spec.mask = i;
-    spec.max_seqlen = 333 + 41 * i;
+    spec.bq = shape.bq;
+    spec.bk = shape.bk;
+    spec.mask = shape.mask;
+    spec.max_seqlen = shape.window_left >= 0 ? 1700 : 333 + 41 * i;
     spec.hq = 4;
-    spec.hkv = i < 3 ? 2 : 4;
+    spec.hkv = i < 4 ? 2 : 4;
     spec.seed = seed++;
     auto c = make_case(spec);
+    if (shape.window_left >= 0) c->problem.mask.window_left = shape.window_left;
     SCOPED_TRACE(c->name);
     {
+      const TileShape own = choose_tiles(c->problem);
       Plan plan(c->problem);
-      EXPECT_EQ(plan.tiles().tile_m, 128);
-      EXPECT_EQ(plan.tiles().unit_m, 128);
-      EXPECT_EQ(plan.tiles().tile_n, 128);
+      EXPECT_EQ(plan.tiles().tile_m, shape.blocks_of_128 ? 128 : own.tile_m);
+      EXPECT_EQ(plan.tiles().unit_m, shape.blocks_of_128 ? 128 : own.unit_m);
+      if (shape.blocks_of_128) EXPECT_EQ(plan.tiles().tile_n, 128);
       EXPECT_EQ(plan.problem().block.q, spec.bq);
       EXPECT_EQ(plan.problem().block.kv, spec.bk);
       plan.run(c->in_device, c->out_device, nullptr);
@@ -137,6 +147,7 @@ TEST(GpuForward, AllBlocksPlansTakeBlocksOf128) {
     spec.format = format;
     spec.head_dim = head_dim;
     spec.bq = spec.bk = 64;
+    spec.mask = 1;
     spec.max_seqlen = 300;
     return make_case(spec)->problem;
   };
