@@ -93,10 +93,6 @@ TEST(GpuForward, PersistentManyTiles) {
   }
 }
 
-// Q blocks of 64 and KV blocks of 128 at D 128: a tile of one query head (heads not packable)
-// runs 64-wide routes, two per KV block, so that two CTAs share a multiprocessor; packable heads,
-// an explicit tile_n and a plan for the backward keep the KV block's width. Every format, masks,
-// varlen, tails; results against the CPU engine.
 // all_blocks with a token-level mask: the block size does not change what is computed, so a GPU
 // prefill plan builds its routes from blocks of 128 x 128 (plan.cpp, gpu_route_blocks) where the
 // mask's band is wide (no left window, or one of 1024 tokens or more; no document ids or KV
@@ -158,6 +154,10 @@ TEST(GpuForward, AllBlocksPlansTakeBlocksOf128) {
   EXPECT_EQ(Plan(problem_of(Format::all_blocks, 256)).tiles().tile_m, 64);
 }
 
+// Q blocks of 64 and KV blocks of 128 at D 128: a tile of one query head (heads not packable)
+// runs 64-wide routes, two per KV block, so that two CTAs share a multiprocessor; packable heads,
+// an explicit tile_n and a plan for the backward keep the KV block's width. Every format, masks,
+// varlen, tails; results against the CPU engine.
 TEST(GpuForward, UnpackedRows64TilesTakeTwoRoutesPerBlock) {
   REQUIRE_SM90();
   std::uint64_t seed = 9500;
