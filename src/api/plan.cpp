@@ -101,9 +101,9 @@ static void choose_decode(const Problem& pb, const route::RouteParams& geo, int 
   if (forced_splits > 0) t.kv_splits = forced_splits;
 }
 
-// The block size a GPU prefill plan builds its routes from (`block`, changed only where this
-// returns true). All blocks kept and a token-level mask: the block size does not change what is
-// computed, only the tiles, so such a plan takes blocks of 128 x 128, whose kernels are the
+// Whether a GPU prefill plan (`tiles`: those of the caller's blocks) builds its routes from blocks
+// of 128 x 128 instead. All blocks kept and a token-level mask: the block size does not change what
+// is computed, only the tiles, so such a plan takes blocks of 128 x 128, whose kernels are the
 // fastest (bf16, D 128, bench/RESULTS.md: the causal backward at about 400 TFLOP/s on blocks of 64,
 // 536 on blocks of 128; the forward at 527 on blocks of 64 x 64 against 601-632 on 128 x 128).
 // Only where the mask's band is wide: route preparation skips the tiles a mask hides, and a tile
@@ -112,16 +112,14 @@ static void choose_decode(const Problem& pb, const route::RouteParams& geo, int 
 // bits hide tiles by their values, which the plan does not see. Not where the caller fixed the
 // tiles or the route capacity (both counted in its blocks), not at D 256 (its tiles are 64 wide
 // whatever the block), not for a decode plan (its tiles follow the queries).
-static bool gpu_route_blocks(const Problem& pb, const TileShape& tiles, BlockSize& block) {
+static bool gpu_route_blocks_of_128(const Problem& pb, const TileShape& tiles) {
   constexpr int kWideWindow = 1024;
   if (pb.format != Format::all_blocks || pb.proxy != Proxy::off || pb.tile_m > 0 || pb.tile_n > 0 ||
       pb.max_routes_per_row > 0 || pb.head_dim > 128 || tiles.packed_heads > 0)
     return false;
   const MaskSpec& m = pb.mask;
   if (m.document_ids || m.kv_valid_bits || (m.window_left >= 0 && m.window_left < kWideWindow)) return false;
-  if (tiles.tile_m == 128 && tiles.unit_m == 128 && tiles.tile_n == 128) return false;
-  block = BlockSize{128, 128};
-  return true;
+  return tiles.tile_m != 128 || tiles.unit_m != 128 || tiles.tile_n != 128;
 }
 
 // The GPU plan's workspace: one cudaMalloc at plan time, carved into the overflow flag, route
@@ -248,7 +246,7 @@ struct DeviceWorkspace {};
 
 struct Plan::Impl {
   Problem requested;  // as given to plan(): Plan::problem()
-  Problem problem;    // what the routes are built from (gpu_route_blocks may change the block size)
+  Problem problem;    // what the routes are built from (gpu_route_blocks_of_128 may change the block size)
   TileShape tiles;
   int capacity = 0;
   std::vector<route::Route> routes;
@@ -315,7 +313,7 @@ void Plan::plan(const Problem& requested) {
   auto next = std::make_unique<Impl>();
   next->requested = requested;
   next->problem = requested;
-  const Problem& problem = next->problem;  // gpu_route_blocks may change its block size below
+  const Problem& problem = next->problem;  // gpu_route_blocks_of_128 may change its block size below
   next->tiles = choose_tiles(problem);
   formats::validate_problem(problem, next->tiles);
   if (problem.device == Device::cuda) {
@@ -342,8 +340,10 @@ void Plan::plan(const Problem& requested) {
       if (decode.packed_heads > 0 &&
           gpu::forward_kernel_block_n(et, problem.head_dim, decode.tile_m, decode.tile_n, false, true) != 0)
         next->tiles = decode;
-      else if (gpu_route_blocks(problem, next->tiles, next->problem.block))
+      else if (gpu_route_blocks_of_128(problem, next->tiles)) {
+        next->problem.block = BlockSize{128, 128};
         next->tiles = choose_tiles(problem);
+      }
       // Prefill tiles of 64 rows and one query head have one consumer warpgroup: the GPU takes the
       // route width whose kernel fits two CTAs per multiprocessor (gpu::prefill_route_tile_n; a KV
       // block of 128 then becomes two routes). Not for proxy routes (a window per 64 blocks costs

@@ -366,7 +366,7 @@ TEST(GpuBackward, SoloConsumersOn64WideTiles) {
 }
 
 // all_blocks plans with blocks of 16 to 128 and a wide band (no mask, causal) build their routes
-// from blocks of 128 x 128 (plan.cpp, gpu_route_blocks): the backward then runs the 128-wide
+// from blocks of 128 x 128 (plan.cpp, gpu_route_blocks_of_128): the backward then runs the 128-wide
 // kernels, the gradients those of the caller's problem (the CPU backward keeps its blocks);
 // batched and varlen, GQA, D 64 and 128. A narrow window and document ids keep the caller's tiles.
 TEST(GpuBackward, AllBlocksPlansTakeBlocksOf128) {

@@ -94,7 +94,7 @@ TEST(GpuForward, PersistentManyTiles) {
 }
 
 // all_blocks with a token-level mask: the block size does not change what is computed, so a GPU
-// prefill plan builds its routes from blocks of 128 x 128 (plan.cpp, gpu_route_blocks) where the
+// prefill plan builds its routes from blocks of 128 x 128 (plan.cpp, gpu_route_blocks_of_128) where the
 // mask's band is wide (no left window, or one of 1024 tokens or more; no document ids or KV
 // validity bits), whatever block the caller named; Plan::problem() stays the caller's. Blocks of
 // 16 to 128 (units of a tile, KV blocks cut by tiles), batched and varlen, GQA and MHA; the other
