@@ -55,9 +55,9 @@ class Plan {
 
   bool planned() const;
   const Problem& problem() const;  // as given to plan()
-  // The tiles the plan runs. A GPU prefill plan of format all_blocks with a wide mask band takes
-  // those of blocks of 128 x 128 whatever problem.block says (docs/GPU.md, "Tiles"): the block
-  // size of such a pattern does not change what is computed.
+  // The tiles the plan runs. A GPU prefill plan for the backward of format all_blocks with a wide
+  // mask band takes those of blocks of 128 x 128 whatever problem.block says (docs/GPU.md,
+  // "Tiles"): the block size of such a pattern does not change what is computed.
   const TileShape& tiles() const;
   int route_capacity() const;        // records per route row
   std::size_t workspace_bytes() const;

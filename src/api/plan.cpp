@@ -101,20 +101,21 @@ static void choose_decode(const Problem& pb, const route::RouteParams& geo, int 
   if (forced_splits > 0) t.kv_splits = forced_splits;
 }
 
-// Whether a GPU prefill plan (`tiles`: those of the caller's blocks) builds its routes from blocks
-// of 128 x 128 instead. All blocks kept and a token-level mask: the block size does not change what
-// is computed, only the tiles, so such a plan takes blocks of 128 x 128, whose kernels are the
-// fastest (bf16, D 128, bench/RESULTS.md: the causal backward at about 400 TFLOP/s on blocks of 64,
-// 536 on blocks of 128; the forward at 527 on blocks of 64 x 64 against 601-632 on 128 x 128).
-// Only where the mask's band is wide: route preparation skips the tiles a mask hides, and a tile
-// of 128 x 128 computes about W + 256 keys per row of a left window of W tokens against W + 128 on
-// tiles of 64, more than the faster kernels gain below kWideWindow; document ids and KV validity
-// bits hide tiles by their values, which the plan does not see. Not where the caller fixed the
-// tiles or the route capacity (both counted in its blocks), not at D 256 (its tiles are 64 wide
-// whatever the block), not for a decode plan (its tiles follow the queries).
+// Whether a GPU prefill plan for the backward (`tiles`: those of the caller's blocks) builds its
+// routes from blocks of 128 x 128 instead. All blocks kept and a token-level mask: the block size
+// does not change what is computed, only the tiles, and the backward's 128-wide kernels are the
+// fastest (bf16, D 128, causal, blocks of 64: 1.37x, bench/RESULTS.md 2026-12-07 16:08). A
+// forward-only plan keeps the caller's blocks: route pairs and packed heads run the forward on
+// blocks of 64 x 64 as fast as on 128 x 128, causal 1.04x faster (same run). Only where the
+// mask's band is wide: route preparation skips the tiles a mask hides, and a tile of 128 x 128
+// computes about W + 256 keys per row of a left window of W tokens against W + 128 on tiles of 64,
+// more than the faster kernels gain below kWideWindow; document ids and KV validity bits hide
+// tiles by their values, which the plan does not see. Not where the caller fixed the tiles or the
+// route capacity (both counted in its blocks), not at D 256 (its tiles are 64 wide whatever the
+// block), not for a decode plan (its tiles follow the queries).
 static bool gpu_route_blocks_of_128(const Problem& pb, const TileShape& tiles) {
   constexpr int kWideWindow = 1024;
-  if (pb.format != Format::all_blocks || pb.proxy != Proxy::off || pb.tile_m > 0 || pb.tile_n > 0 ||
+  if (!pb.backward || pb.format != Format::all_blocks || pb.proxy != Proxy::off || pb.tile_m > 0 || pb.tile_n > 0 ||
       pb.max_routes_per_row > 0 || pb.head_dim > 128 || tiles.packed_heads > 0)
     return false;
   const MaskSpec& m = pb.mask;

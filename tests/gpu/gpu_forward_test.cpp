@@ -94,12 +94,13 @@ TEST(GpuForward, PersistentManyTiles) {
 }
 
 // all_blocks with a token-level mask: the block size does not change what is computed, so a GPU
-// prefill plan builds its routes from blocks of 128 x 128 (plan.cpp, gpu_route_blocks_of_128) where the
-// mask's band is wide (no left window, or one of 1024 tokens or more; no document ids or KV
-// validity bits), whatever block the caller named; Plan::problem() stays the caller's. Blocks of
-// 16 to 128 (units of a tile, KV blocks cut by tiles), batched and varlen, GQA and MHA; the other
-// masks keep the caller's tiles, and so do explicit tiles, block lists and D 256.
-TEST(GpuForward, AllBlocksPlansTakeBlocksOf128) {
+// prefill plan for the backward builds its routes from blocks of 128 x 128 (plan.cpp,
+// gpu_route_blocks_of_128) where the mask's band is wide (no left window, or one of 1024 tokens or
+// more; no document ids or KV validity bits), whatever block the caller named, and its forward runs
+// on them; Plan::problem() stays the caller's. A forward-only plan keeps the caller's tiles, and so
+// do the other masks, explicit tiles, block lists and D 256. Blocks of 16 to 128 (units of a tile,
+// KV blocks cut by tiles), batched and varlen, GQA and MHA.
+TEST(GpuForward, AllBlocksBackwardPlansTakeBlocksOf128) {
   REQUIRE_SM90();
   struct Shape {
     int bq, bk, mask, window_left;  // window_left >= 0 replaces the drawn one
@@ -126,6 +127,8 @@ TEST(GpuForward, AllBlocksPlansTakeBlocksOf128) {
     SCOPED_TRACE(c->name);
     {
       const TileShape own = choose_tiles(c->problem);
+      EXPECT_EQ(Plan(c->problem).tiles().unit_m, own.unit_m);  // forward only: the caller's blocks
+      c->problem.backward = true;
       Plan plan(c->problem);
       EXPECT_EQ(plan.tiles().tile_m, shape.blocks_of_128 ? 128 : own.tile_m);
       EXPECT_EQ(plan.tiles().unit_m, shape.blocks_of_128 ? 128 : own.unit_m);
@@ -145,7 +148,9 @@ TEST(GpuForward, AllBlocksPlansTakeBlocksOf128) {
     spec.bq = spec.bk = 64;
     spec.mask = 1;
     spec.max_seqlen = 300;
-    return make_case(spec)->problem;
+    Problem problem = make_case(spec)->problem;
+    problem.backward = true;
+    return problem;
   };
   Problem explicit_tiles = problem_of(Format::all_blocks, 128);
   explicit_tiles.tile_n = 64;
@@ -177,7 +182,6 @@ TEST(GpuForward, UnpackedRows64TilesTakeTwoRoutesPerBlock) {
     spec.seed = seed++;
     auto c = make_case(spec);
     SCOPED_TRACE(c->name);
-    c->problem.tile_m = 64;  // all_blocks would otherwise take blocks of 128 (AllBlocksPlansTakeBlocksOf128)
     {
       Plan plan(c->problem);
       EXPECT_EQ(plan.tiles().tile_n, 64);
