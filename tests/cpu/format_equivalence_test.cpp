@@ -103,9 +103,10 @@ TEST_P(WholeBlocksAsFullTest, SameOutputAsPartial) {
 INSTANTIATE_TEST_SUITE_P(Random, WholeBlocksAsFullTest, ::testing::Range(0, 60));
 
 // Format all_blocks keeps every block and masks per token, so its block size does not change what
-// is computed: a GPU plan of that format for the backward builds its routes from blocks of 128 x 128
-// whatever block it names (plan.cpp, gpu_route_blocks_of_128). The same inputs and masks under the drawn blocks and
-// under blocks of 128 both match the float64 oracle (batched, varlen, paged; every built-in mask).
+// is computed: a GPU plan of that format for the backward builds its routes from blocks of
+// 128 x 128 whatever block it names (plan.cpp, gpu_route_blocks_of_128). The same inputs and masks
+// under the drawn blocks and under blocks of 128 both match the float64 oracle (batched, varlen,
+// paged; every built-in mask).
 class AllBlocksBlockSizeTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(AllBlocksBlockSizeTest, BlocksOf128GiveTheSameResult) {
