@@ -106,7 +106,7 @@ static void choose_decode(const Problem& pb, const route::RouteParams& geo, int 
 // does not change what is computed, only the tiles, and the backward's 128-wide kernels are the
 // fastest (bf16, D 128, causal, blocks of 64: 1.37x, bench/RESULTS.md 2026-12-07 16:08). A
 // forward-only plan keeps the caller's blocks: route pairs and packed heads run the forward on
-// blocks of 64 x 64 as fast as on 128 x 128, causal 1.04x faster (same run). Only where the
+// blocks of 64 x 64 as fast as on 128 x 128 (causal: 1.04x faster on blocks of 64, same run). Only where the
 // mask's band is wide: route preparation skips the tiles a mask hides, and a tile of 128 x 128
 // computes about W + 256 keys per row of a left window of W tokens against W + 128 on tiles of 64,
 // more than the faster kernels gain below kWideWindow; document ids and KV validity bits hide
@@ -115,8 +115,8 @@ static void choose_decode(const Problem& pb, const route::RouteParams& geo, int 
 // block), not for a decode plan (its tiles follow the queries).
 static bool gpu_route_blocks_of_128(const Problem& pb, const TileShape& tiles) {
   constexpr int kWideWindow = 1024;
-  if (!pb.backward || pb.format != Format::all_blocks || pb.proxy != Proxy::off || pb.tile_m > 0 || pb.tile_n > 0 ||
-      pb.max_routes_per_row > 0 || pb.head_dim > 128 || tiles.packed_heads > 0)
+  if (!pb.backward || pb.format != Format::all_blocks || pb.proxy != Proxy::off || pb.tile_m > 0 ||
+      pb.tile_n > 0 || pb.max_routes_per_row > 0 || pb.head_dim > 128 || tiles.packed_heads > 0)
     return false;
   const MaskSpec& m = pb.mask;
   if (m.document_ids || m.kv_valid_bits || (m.window_left >= 0 && m.window_left < kWideWindow)) return false;
