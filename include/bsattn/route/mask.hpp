@@ -30,12 +30,19 @@ BSATTN_HD PositionalBounds positional_bounds(const RouteParams& p, const SeqInfo
   return PositionalBounds{clamp(lo), clamp(hi), clamp(sink_end)};
 }
 
-// The per-token tensors of the mask: document ids and KV validity bits.
+// The per-token tensors of sequence b, indexed by sequence-local position: its queries' and KV
+// tokens' document ids, and its KV validity bits (one word per 32 tokens).
+BSATTN_HD const std::int32_t* query_documents(const RouteParams& p, const SeqInfo& s, int b) {
+  return p.doc_q + (p.varlen_q ? s.q_base : b * p.doc_q_batch_stride);
+}
+BSATTN_HD const std::int32_t* kv_documents(const RouteParams& p, const SeqInfo& s, int b) {
+  return p.doc_kv + (p.varlen_kv ? s.kv_base : b * p.doc_kv_batch_stride);
+}
+BSATTN_HD const std::uint32_t* kv_valid_words(const RouteParams& p, int b) { return p.kv_valid + b * p.kv_valid_batch_stride; }
+
 BSATTN_HD bool token_tensors_visible(const RouteParams& p, const SeqInfo& s, int b, int q, int kv) {
-  if (p.doc_q && p.doc_q[p.varlen_q ? s.q_base + q : b * p.doc_q_batch_stride + q] !=
-                     p.doc_kv[(p.varlen_kv ? s.kv_base : b * p.doc_kv_batch_stride) + kv])
-    return false;
-  if (p.kv_valid && !((p.kv_valid[b * p.kv_valid_batch_stride + kv / 32] >> (kv % 32)) & 1u)) return false;
+  if (p.doc_q && query_documents(p, s, b)[q] != kv_documents(p, s, b)[kv]) return false;
+  if (p.kv_valid && !((kv_valid_words(p, b)[kv / 32] >> (kv % 32)) & 1u)) return false;
   return true;
 }
 
@@ -72,8 +79,8 @@ BSATTN_HD Visibility positional(const RouteParams& p, const SeqInfo& s, int q0, 
 }
 
 BSATTN_HD Visibility documents(const RouteParams& p, const SeqInfo& s, int b, int q0, int q1, int k0, int k1) {
-  const std::int32_t* dq = p.doc_q + (p.varlen_q ? s.q_base : b * p.doc_q_batch_stride);
-  const std::int32_t* dk = p.doc_kv + (p.varlen_kv ? s.kv_base : b * p.doc_kv_batch_stride);
+  const std::int32_t* dq = query_documents(p, s, b);
+  const std::int32_t* dk = kv_documents(p, s, b);
   const std::int32_t first = dq[q0];
   bool q_uniform = true;
   for (int q = q0 + 1; q < q1 && q_uniform; ++q) q_uniform = dq[q] == first;
@@ -88,7 +95,7 @@ BSATTN_HD Visibility documents(const RouteParams& p, const SeqInfo& s, int b, in
 }
 
 BSATTN_HD Visibility valid_bits(const RouteParams& p, int b, int k0, int k1) {
-  const std::uint32_t* words = p.kv_valid + b * p.kv_valid_batch_stride;
+  const std::uint32_t* words = kv_valid_words(p, b);
   bool all = true, any = false;
   for (int kv = k0; kv < k1; ++kv) {
     const bool bit = (words[kv / 32] >> (kv % 32)) & 1u;

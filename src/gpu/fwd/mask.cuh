@@ -34,10 +34,10 @@ struct RouteMask {
   }
 
   // s: scores (rowcol view); c: their (row, col) coordinates in the 64 x N tile (same view).
-  // kTokenTensors: the problem has document ids or KV validity bits, evaluated per element by
-  // route::token_visible; without them the positional path below runs. A kernel policy, not a
-  // run-time branch: compiled into one kernel, the per-element tensor path raised the register
-  // pressure of the whole main loop (spills everywhere, 15 KB in the 64-wide kernels).
+  // kTokenTensors: the problem has document ids or KV validity bits, checked after the positional
+  // mask (apply_token_tensors). A kernel policy, not a run-time branch: compiled into one kernel,
+  // the tensor path raised the register pressure of the whole main loop (spills everywhere, 15 KB
+  // in the 64-wide kernels).
   // kPairColumns: the view's column j lies at c(i, 0) + 8 (j / 2) + j % 2, as the columns of a
   // wgmma accumulator do (the forward's S tile); the positional path then masks a row by bits.
   template <bool kTokenTensors, bool kPairColumns = false, class TS, class TC>
@@ -53,23 +53,67 @@ struct RouteMask {
   template <bool kTokenTensors, bool kPairColumns, int kSplit, class TS, class TC>
   __device__ __forceinline__ static void apply_split(const RouteMask& left, const RouteMask& right, TS& s, const TC& c,
                                                      const AttentionParams& a, const route::SeqInfo& si, int b) {
-    constexpr int kCols = decltype(size<1>(s))::value;
-    if constexpr (!kTokenTensors) {
-      apply_positional<kPairColumns, kSplit>(left, right, s, c, a.route, si);
-    } else {
+    apply_positional<kPairColumns, kSplit>(left, right, s, c, a.route, si);
+    if constexpr (kTokenTensors) apply_token_tensors<kSplit>(left, right, s, c, a.route, si, b);
+  }
+
+  // The per-token tensors (document ids, KV validity bits) on the partial rows, after the
+  // positional mask has cleared everything else it hides. An accumulator's coordinates are a
+  // product (the row from i, the column from j), so each column's values are loaded once for the
+  // thread's rows, and no element branches: a branch around route::token_visible per element
+  // took ptxas 30-60 s per kernel, half the forward's build time.
+  template <int kSplit, class TS, class TC>
+  __device__ __forceinline__ static void apply_token_tensors(const RouteMask& left, const RouteMask& right, TS& s,
+                                                             const TC& c, const route::RouteParams& p,
+                                                             const route::SeqInfo& si, int b) {
+    constexpr int kRows = decltype(size<0>(s))::value, kCols = decltype(size<1>(s))::value;
+    constexpr int kSides = kSplit < kCols ? 2 : 1;
+    const auto mask_of = [&](int side) -> const RouteMask& { return side == 0 ? left : right; };
+    bool check[kSides][kRows];
+    int q[kSides][kRows];
+    bool any = false;
+    CUTE_UNROLL
+    for (int side = 0; side < kSides; ++side) {
       CUTE_UNROLL
-      for (int i = 0; i < size<0>(s); ++i) {
-        const int r = get<0>(c(i, 0));
-        const Row rows[2] = {left.row(r, si), right.row(r, si)};
+      for (int i = 0; i < kRows; ++i) {
+        const Row row = mask_of(side).row(get<0>(c(i, 0)), si);
+        check[side][i] = row.takes && row.partial;
+        q[side][i] = row.q;
+        any = any || check[side][i];
+      }
+    }
+    if (!any) return;
+    if (p.doc_q) {
+      const std::int32_t* doc_q = route::query_documents(p, si, b);
+      const std::int32_t* doc_kv = route::kv_documents(p, si, b);
+      std::int32_t doc[kSides][kRows];
+      CUTE_UNROLL
+      for (int side = 0; side < kSides; ++side) {
         CUTE_UNROLL
-        for (int j = 0; j < kCols; ++j) {
-          const RouteMask& m = j < kSplit ? left : right;
-          const Row& row = rows[j < kSplit ? 0 : 1];
-          const int col = get<1>(c(i, j));
-          bool visible = row.takes && col < m.n_valid;
-          if (visible && row.partial) visible = route::token_visible(a.route, si, b, row.q, m.k0 + col);
-          if (!visible) s(i, j) = -INFINITY;
-        }
+        for (int i = 0; i < kRows; ++i) doc[side][i] = check[side][i] ? doc_q[q[side][i]] : 0;
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        const int side = j < kSplit ? 0 : 1;
+        const RouteMask& m = mask_of(side);
+        const int col = get<1>(c(0, j));
+        const std::int32_t d = col < m.n_valid ? doc_kv[m.k0 + col] : 0;
+        CUTE_UNROLL
+        for (int i = 0; i < kRows; ++i)
+          if (check[side][i] && d != doc[side][i]) s(i, j) = -INFINITY;
+      }
+    }
+    if (p.kv_valid) {
+      const std::uint32_t* words = route::kv_valid_words(p, b);
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        const int side = j < kSplit ? 0 : 1;
+        const RouteMask& m = mask_of(side);
+        const int col = get<1>(c(0, j)), kv = m.k0 + col;
+        const bool valid = col < m.n_valid ? ((words[kv / 32] >> (kv % 32)) & 1u) != 0 : false;
+        CUTE_UNROLL
+        for (int i = 0; i < kRows; ++i)
+          if (check[side][i] && !valid) s(i, j) = -INFINITY;
       }
     }
   }
