@@ -4,11 +4,16 @@
 // values (causal, window, sinks, documents, KV validity) are runtime parameters: one
 // instantiation serves every built-in mask.
 #pragma once
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
 #include "bsattn/attention_params.hpp"
 #include "bsattn/route/mask.hpp"
-#include "gpu/fwd/utils.cuh"
 
 namespace bsattn::gpu::fwd {
+
+using namespace cute;
 
 struct RouteMask {
   int q_begin;      // first query row (sequence-local) of this warpgroup's 64 rows

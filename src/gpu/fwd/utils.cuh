@@ -1,10 +1,13 @@
-// Small device helpers of the SM90 forward kernel: cp.async, wgmma issue, fragment layout views.
+// Small device helpers of the SM90 forward kernel: cp.async, wgmma issue, named barriers (the
+// fragment layout views: fragment_views.cuh).
 #pragma once
 #include <cstdint>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
+
+#include "gpu/fwd/fragment_views.cuh"
 
 namespace bsattn::gpu::fwd {
 
@@ -89,22 +92,6 @@ __device__ __forceinline__ void bulk_store_wait() {
   } else {
     asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
   }
-}
-
-// Accumulator ((2 cols, 2 rows, N/8), MMA_M, MMA_N) viewed as (rows (2, MMA_M), cols (2, N/8, MMA_N)).
-template <class L>
-__device__ __forceinline__ auto acc_rowcol(L acc) {
-  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
-                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
-}
-
-// Accumulator of the QK GEMM viewed as the register A operand of the PV GEMM (k blocks of 16):
-// ((2, 2, N/8), M, N) -> ((2, 2, 2), M, (N/16, N)).
-template <class L>
-__device__ __forceinline__ auto acc_as_a_operand(L acc) {
-  auto v = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});
-  return make_layout(make_layout(get<0>(v), get<1>(v), get<2, 0>(v)), get<1>(acc),
-                     make_layout(get<2, 1>(v), get<2>(acc)));
 }
 
 // Named barriers by their hardware id (1-15; 0 is __syncthreads). CUTLASS's NamedBarrier adds

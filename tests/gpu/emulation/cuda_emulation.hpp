@@ -34,6 +34,12 @@
 #undef __align__
 #define __align__(n) __attribute__((aligned(n)))
 
+// The high word of (hi:lo) << min(shift, 32), as the device intrinsic.
+inline unsigned __funnelshift_lc(unsigned lo, unsigned hi, unsigned shift) {
+  const std::uint64_t v = (static_cast<std::uint64_t>(hi) << 32 | lo) << std::min(shift, 32u);
+  return static_cast<unsigned>(v >> 32);
+}
+
 namespace cuda_emulation {
 
 struct Thread {
