@@ -58,20 +58,42 @@ struct RouteMask {
   template <bool kTokenTensors, bool kPairColumns, int kSplit, class TS, class TC>
   __device__ __forceinline__ static void apply_split(const RouteMask& left, const RouteMask& right, TS& s, const TC& c,
                                                      const AttentionParams& a, const route::SeqInfo& si, int b) {
-    apply_positional<kPairColumns, kSplit>(left, right, s, c, a.route, si);
-    if constexpr (kTokenTensors) apply_token_tensors<kSplit>(left, right, s, c, a.route, si, b);
+    if constexpr (!kTokenTensors || kPairColumns) {
+      apply_positional<kPairColumns, kSplit>(left, right, s, c, a.route, si);
+      if constexpr (kTokenTensors) apply_token_tensors<kSplit>(left, right, s, c, a.route, si, b);
+    } else {
+      // The backward's transposed view (many rows, 2 columns a thread): the rows' values held by
+      // apply_token_tensors spilled 112-560 bytes there, so each element evaluates the whole mask.
+      constexpr int kCols = decltype(size<1>(s))::value;
+      CUTE_UNROLL
+      for (int i = 0; i < size<0>(s); ++i) {
+        const int r = get<0>(c(i, 0));
+        const Row rows[2] = {left.row(r, si), right.row(r, si)};
+        CUTE_UNROLL
+        for (int j = 0; j < kCols; ++j) {
+          const RouteMask& m = j < kSplit ? left : right;
+          const Row& row = rows[j < kSplit ? 0 : 1];
+          const int col = get<1>(c(i, j));
+          bool visible = row.takes && col < m.n_valid;
+          if (visible && row.partial) visible = route::token_visible(a.route, si, b, row.q, m.k0 + col);
+          if (!visible) s(i, j) = -INFINITY;
+        }
+      }
+    }
   }
 
   // The per-token tensors (document ids, KV validity bits) on the partial rows, after the
-  // positional mask has cleared everything else it hides. An accumulator's coordinates are a
-  // product (the row from i, the column from j), so each column's values are loaded once for the
-  // thread's rows, and no element branches: a branch around route::token_visible per element
-  // took ptxas 30-60 s per kernel, half the forward's build time.
+  // positional mask has cleared everything else it hides; for the forward's S fragment (2 rows a
+  // thread). An accumulator's coordinates are a product (the row from i, the column from j), so
+  // each column's values are loaded once for the thread's rows, and no element branches: a branch
+  // around route::token_visible per element took ptxas 30-60 s per forward kernel, half the
+  // forward's build time.
   template <int kSplit, class TS, class TC>
   __device__ __forceinline__ static void apply_token_tensors(const RouteMask& left, const RouteMask& right, TS& s,
                                                              const TC& c, const route::RouteParams& p,
                                                              const route::SeqInfo& si, int b) {
     constexpr int kRows = decltype(size<0>(s))::value, kCols = decltype(size<1>(s))::value;
+    static_assert(kRows <= kCols, "the rows' values are held: a fragment of few rows");
     constexpr int kSides = kSplit < kCols ? 2 : 1;
     const auto mask_of = [&](int side) -> const RouteMask& { return side == 0 ? left : right; };
     bool check[kSides][kRows];
