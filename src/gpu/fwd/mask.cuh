@@ -39,8 +39,9 @@ struct RouteMask {
   }
 
   // s: scores (rowcol view); c: their (row, col) coordinates in the 64 x N tile (same view).
-  // kTokenTensors: the problem has document ids or KV validity bits, checked after the positional
-  // mask (apply_token_tensors). A kernel policy, not a run-time branch: compiled into one kernel,
+  // kTokenTensors: the problem has document ids or KV validity bits: in the forward's S fragment
+  // (kPairColumns) checked after the positional mask (apply_token_tensors), elsewhere per element
+  // by route::token_visible. A kernel policy, not a run-time branch: compiled into one kernel,
   // the tensor path raised the register pressure of the whole main loop (spills everywhere, 15 KB
   // in the 64-wide kernels).
   // kPairColumns: the view's column j lies at c(i, 0) + 8 (j / 2) + j % 2, as the columns of a
