@@ -90,6 +90,11 @@ def load(path):
         lib.bsattn_bench_plan_varlen.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64] + [ctypes.c_int] * 8
         lib.bsattn_bench_run_varlen.restype = ctypes.c_int
         lib.bsattn_bench_run_varlen.argtypes = [ctypes.c_void_p] * 8
+    if hasattr(lib, "bsattn_bench_plan_documents"):  # older builds lack it
+        lib.bsattn_bench_plan_documents.restype = ctypes.c_void_p
+        lib.bsattn_bench_plan_documents.argtypes = [ctypes.c_int] * 8
+        lib.bsattn_bench_run_documents.restype = ctypes.c_int
+        lib.bsattn_bench_run_documents.argtypes = [ctypes.c_void_p] * 8
     return lib
 
 
@@ -105,7 +110,8 @@ TOL = 2e-2  # bf16: relative L2 error accepted against a peer or the reference
 class Row:
     """One configuration. kind: random (block lists, `density` of the KV blocks per row), causal,
     window (causal + sliding window W), docs (packed sequences of lengths `docs`, causal within
-    each, varlen). hs: random patterns one per KV head ("kv"), per query head ("q") or one shared
+    each, varlen), docids (the same documents as one sequence with a document id per token: the
+    kernels that read token tensors; FlashAttention-4 runs its varlen call on the same tokens). hs: random patterns one per KV head ("kv"), per query head ("q") or one shared
     by all heads ("1"). tier: which rows `--peers core` gives peers."""
     name: str
     S: int
@@ -124,7 +130,7 @@ class Row:
         return {"kv": self.hkv, "q": self.hq, "1": 1}[self.hs]
 
     def tokens(self):
-        return sum(self.docs) if self.kind == "docs" else self.S
+        return sum(self.docs) if self.kind in ("docs", "docids") else self.S
 
 
 def ptr(t):
@@ -180,8 +186,31 @@ class OursVarlen(Ours):
             raise RuntimeError(self.lib.bsattn_bench_error().decode())
 
 
+class OursDocuments(Ours):
+    """bsattn on the documents of a docids row as one batched sequence: all blocks, causal and a
+    document id per token (check and free are Ours')."""
+
+    def __init__(self, row, lib=LIBS[0]):
+        self.lib = lib
+        if not hasattr(lib, "bsattn_bench_plan_documents"):
+            raise RuntimeError("this libbsattn_bench.so has no document-id entry points (rebuild it)")
+        self.h = lib.bsattn_bench_plan_documents(row.tokens(), row.hq, row.hkv, row.D, 0, row.bq, row.bk, 1)
+        if not self.h:
+            raise RuntimeError(lib.bsattn_bench_error().decode())
+
+    def __call__(self, x, out):
+        if self.lib.bsattn_bench_run_documents(self.h, ptr(x.q), ptr(x.k), ptr(x.v), ptr(x.doc), ptr(out), ptr(x.lse),
+                                               stream()) != 0:
+            raise RuntimeError(self.lib.bsattn_bench_error().decode())
+
+
 def ours_for(row, lib=LIBS[0]):
-    return OursVarlen(row, lib) if row.kind == "docs" else Ours(row, lib)
+    return {"docs": OursVarlen, "docids": OursDocuments}.get(row.kind, Ours)(row, lib)
+
+
+def document_ids(docs):
+    """Token i's document: 0 for the first docs[0] tokens, then 1, ... (int64, on the GPU)."""
+    return torch.repeat_interleave(torch.arange(len(docs), device=DEV), torch.tensor(docs, device=DEV))
 
 
 def time_ms(fn, iters, settle=None):
@@ -212,7 +241,7 @@ def make_inputs(row, seed):
     torch.manual_seed(seed)
     T, D = row.tokens(), row.D
     lead = (T,) if row.kind == "docs" else (B, T)
-    x = SimpleNamespace(cnt=None, idx=None, kb=0, blk=None, cu=None)
+    x = SimpleNamespace(cnt=None, idx=None, kb=0, blk=None, cu=None, doc=None)
     x.q = torch.randn(*lead, row.hq, D, device=DEV, dtype=torch.bfloat16)
     x.k = torch.randn(*lead, row.hkv, D, device=DEV, dtype=torch.bfloat16)
     x.v = torch.randn(*lead, row.hkv, D, device=DEV, dtype=torch.bfloat16)
@@ -220,8 +249,10 @@ def make_inputs(row, seed):
     if row.kind == "random":
         x.cnt, x.idx, x.kb = random_pattern(row.S, row.bq, row.bk, row.heads(), row.density, 7)
         x.blk = peer_fa4.block_mask_of(x.cnt, x.idx, -(-row.S // row.bk))
-    if row.kind == "docs":
+    if row.kind in ("docs", "docids"):
         x.cu = torch.tensor([0] + list(row.docs), device=DEV).cumsum(0).to(torch.int32)
+    if row.kind == "docids":
+        x.doc = document_ids(row.docs).to(torch.int32)[None].contiguous()
     return x
 
 
@@ -235,7 +266,7 @@ def pairs_of(row, x):
         return per_pattern * (hq // row.heads()) * B
     if row.kind == "causal":
         return S * (S + 1) // 2 * hq * B
-    if row.kind == "docs":
+    if row.kind in ("docs", "docids"):
         return sum(n * (n + 1) // 2 for n in row.docs) * hq
     # causal sliding window: kv in (q - W, q]
     per_head = sum(min(q + 1, W) for q in range(0, min(S, W))) + max(0, S - W) * W
@@ -260,9 +291,8 @@ def flex_runner(row, x, qh, kh, vh):
         if row.kind == "causal":
             def mod(b, h, q, kv):
                 return q >= kv
-        elif row.kind == "docs":
-            doc = torch.repeat_interleave(torch.arange(len(row.docs), device=DEV),
-                                          torch.tensor(row.docs, device=DEV))
+        elif row.kind in ("docs", "docids"):
+            doc = document_ids(row.docs)
 
             def mod(b, h, q, kv):
                 return (q >= kv) & (doc[q] == doc[kv])
@@ -290,8 +320,8 @@ def spot_errors(row, x, outs, rows=128):
     q, k, v = (t.reshape(T, t.shape[-2], row.D) for t in (x.q, x.k, x.v))
     pos = torch.cat([torch.arange(0, min(rows, T)), torch.arange(max(T - rows, 0), T)]).unique().to(DEV)
     kpos = torch.arange(T, device=DEV)
-    if row.kind == "docs":
-        doc = torch.repeat_interleave(torch.arange(len(row.docs), device=DEV), torch.tensor(row.docs, device=DEV))
+    if row.kind in ("docs", "docids"):
+        doc = document_ids(row.docs)
     errs = {n: [] for n in outs}
     for h in (0, hq - 1):
         hk = h // (hq // hkv)
@@ -302,7 +332,7 @@ def spot_errors(row, x, outs, rows=128):
             keep = kpos[None, :] <= pos[:, None]
             if row.kind == "window":
                 keep &= pos[:, None] - kpos[None, :] < W
-            if row.kind == "docs":
+            if row.kind in ("docs", "docids"):
                 keep &= doc[pos][:, None] == doc[kpos][None, :]
         s = (q[pos, h].float() @ k[:, hk].float().T) / math.sqrt(row.D)
         ref = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v[:, hk].float()
@@ -411,6 +441,7 @@ def issue14_rows():
             rows.append(Row(f"i14-S16384-blk{bq}x{bk}-rand0.25-{tag}", 16384, 128, bq, bk, density=0.25, hs=hs))
         rows.append(Row(f"i14-S8192-rand0.1-{tag}", 8192, density=0.1, hs=hs))
     rows.append(Row("i14-S8192-causal", 8192, kind="causal"))
+    rows.append(Row("i14-docs16-causal-docids", sum(DOCS), kind="docids", docs=DOCS))
     return rows
 
 
@@ -433,7 +464,9 @@ def fa4_peer(row, x, out, notes):
     reference, the timed callable or None). Checked against bsattn's output `out` and the
     reference first; a failure or a mismatch goes into `notes` and leaves the row untimed."""
     try:
-        f4 = peer_fa4.runner(row.kind, x.q, x.k, x.v, blk=x.blk, bq=row.bq, bk=row.bk, window=W, cu_seqlens=x.cu,
+        # docids: FA4's varlen call on the same tokens, packed views of the batched tensors.
+        kind, q, k, v = ("docs", x.q[0], x.k[0], x.v[0]) if row.kind == "docids" else (row.kind, x.q, x.k, x.v)
+        f4 = peer_fa4.runner(kind, q, k, v, blk=x.blk, bq=row.bq, bk=row.bk, window=W, cu_seqlens=x.cu,
                              max_seqlen=max(row.docs) if row.docs else None)
         o4 = f4()  # compiles on first use of a configuration: untimed
         torch.cuda.synchronize()

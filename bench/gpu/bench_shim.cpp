@@ -455,6 +455,37 @@ int bsattn_bench_run_varlen(void* handle, void* q, void* k, void* v, void* cu_se
   }
 }
 
+// Document ids (issue 14: the packed documents of the varlen row as one batched sequence with a
+// document id per token, which runs the kernels that read token tensors): every KV block of one
+// sequence of `seqlen` tokens under the built-in mask, causal and same document.
+// Returns null on error (bsattn_bench_error says why).
+void* bsattn_bench_plan_documents(int seqlen, int hq, int hkv, int head_dim, int f16, int bq, int bk, int causal) {
+  bsattn::Problem p = gpu_problem(1, hq, hkv, head_dim, f16 ? bsattn::DType::f16 : bsattn::DType::bf16, bq, bk);
+  p.max_seqlen_q = p.max_seqlen_kv = seqlen;
+  p.format = bsattn::Format::all_blocks;
+  p.mask.causal = causal != 0;
+  p.mask.document_ids = true;
+  return planned(p);
+}
+
+// q/out [1, S, Hq, D], k/v [1, S, Hkv, D], doc_ids [1, S] int32 (queries and keys), lse [1, Hq, S]
+// (may be null). Returns 0, or -1 (bsattn_bench_error says why).
+int bsattn_bench_run_documents(void* handle, void* q, void* k, void* v, void* doc_ids, void* out, void* lse,
+                               void* stream) {
+  try {
+    auto* b = static_cast<BenchPlan*>(handle);
+    const bsattn::Problem& p = b->problem;
+    bsattn::Inputs in = qkv_inputs(p, q, k, v, nullptr, nullptr);
+    in.doc_q = view(doc_ids, bsattn::DType::i32, {1, p.max_seqlen_q});
+    in.doc_kv = in.doc_q;
+    b->plan.run(in, batched_outputs(p, out, lse), stream);
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+    return -1;
+  }
+}
+
 }  // extern "C"
 
 // ---------------------------------------------------------------- proxy diagnostics (issue 11.3)
