@@ -4,6 +4,9 @@
 # gtest.tgz (tests/gpu/device_build.sh says how they are made); OUT is the folder whose files come back.
 #   STEP=full   full build (build-gpu), then device_check.sh's tests, validation, sanitize, sass and
 #               variants steps (the cp.async producer's tests; no timing)
+#   STEP=prebuilt  the same checks on binaries built on the development machine and carried in
+#               PREBUILT (default .device/bin: tests/gpu/pack_prebuilt.sh makes it), so that the call
+#               compiles nothing; STEPS overrides device_check.sh's steps (e.g. "tests" alone)
 #   STEP=peers  issue 14's forward rows and the backward rows against FlashAttention-4 in the same
 #               process (needs build-gpu, and `bash .peers/a/fa4-peer.sh stage .peers` in the call before);
 #               the forward rows with --power (settled clocks, power, back-to-back TF/s); PEER_LIB
@@ -40,6 +43,24 @@ full)
   [ "$rc" = 0 ] || exit 1
   log "tests"
   BUILD=build-gpu STEPS="tests validation sanitize sass variants" VARIANT_ONLY=none bash tests/gpu/device_check.sh
+  ;;
+prebuilt)
+  dir=${PREBUILT:-.device/bin}
+  log "prebuilt binaries of $(cat "$dir/REV" 2>/dev/null || echo '?')"
+  mkdir -p build-gpu/tests build-gpu/bench/gpu
+  unpack "$dir/gpu_test.xz" build-gpu/tests/bsattn_gpu_test
+  [ -f "$dir/validation_test.xz" ] && unpack "$dir/validation_test.xz" build-gpu/tests/bsattn_validation_test
+  [ -f "$dir/bench.so.xz" ] && unpack "$dir/bench.so.xz" build-gpu/bench/gpu/libbsattn_bench.so
+  chmod +x build-gpu/tests/bsattn_*
+  # NCCL (the NCCL transport): the toolkit's, else the nvidia-nccl wheel's next to PyTorch.
+  nccl=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
+  [ -n "$nccl" ] && export LD_LIBRARY_PATH="$nccl/lib:${LD_LIBRARY_PATH:-}"
+  if ! build-gpu/tests/bsattn_gpu_test --gtest_list_tests > /dev/null 2> "$OUT/prebuilt.log"; then
+    ldd build-gpu/tests/bsattn_gpu_test >> "$OUT/prebuilt.log" 2>&1
+    cat "$OUT/prebuilt.log"
+    exit 1
+  fi
+  BUILD=build-gpu STEPS="${STEPS:-tests validation sanitize sass variants}" VARIANT_ONLY=none bash tests/gpu/device_check.sh
   ;;
 peers)
   source .peers/b/fa4-peer.sh install .peers || exit 1
@@ -107,7 +128,7 @@ paged-ab | proxy-ab)
   done
   ;;
 *)
-  echo "STEP: full, peers, ab, bwd-ab, paged-ab or proxy-ab (see the header)"
+  echo "STEP: full, prebuilt, peers, ab, bwd-ab, paged-ab or proxy-ab (see the header)"
   exit 2
   ;;
 esac
