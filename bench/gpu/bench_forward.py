@@ -111,8 +111,9 @@ class Row:
     """One configuration. kind: random (block lists, `density` of the KV blocks per row), causal,
     window (causal + sliding window W), docs (packed sequences of lengths `docs`, causal within
     each, varlen), docids (the same documents as one sequence with a document id per token: the
-    kernels that read token tensors; FlashAttention-4 runs its varlen call on the same tokens). hs: random patterns one per KV head ("kv"), per query head ("q") or one shared
-    by all heads ("1"). tier: which rows `--peers core` gives peers."""
+    kernels that read token tensors; FlashAttention-4 runs its varlen call on the same tokens).
+    hs: random patterns one per KV head ("kv"), per query head ("q") or one shared by all heads
+    ("1"). tier: which rows `--peers core` gives peers."""
     name: str
     S: int
     D: int = 128
