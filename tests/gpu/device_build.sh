@@ -13,12 +13,7 @@ deps=/tmp/bsattn-deps
 mkdir -p "$deps/cutlass" "$deps/gtest"
 tar xzf "$dir/cutlass.tgz" -C "$deps/cutlass"
 tar xzf "$dir/gtest.tgz" -C "$deps/gtest"
-# NCCL for the NCCL transport: the toolkit's, else the nvidia-nccl wheel's next to PyTorch.
-if [ -z "${NCCL_HOME:-}" ] && [ ! -f /usr/local/cuda/include/nccl.h ]; then
-  NCCL_HOME=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
-  export NCCL_HOME
-  [ -n "$NCCL_HOME" ] && export LD_LIBRARY_PATH="$NCCL_HOME/lib:${LD_LIBRARY_PATH:-}"
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/nccl_env.sh"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBSATTN_ENABLE_CUDA=ON -DBSATTN_BUILD_TOOLS=OFF \
   -DCUTLASS_INCLUDE_DIR="$deps/cutlass" -DGTEST_ROOT="$deps/gtest" ${BSATTN_CMAKE_ARGS:-} >"$build.configure.log" 2>&1 ||
   { cat "$build.configure.log"; exit 1; }

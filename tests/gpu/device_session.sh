@@ -52,9 +52,7 @@ prebuilt)
   [ -f "$dir/validation_test.xz" ] && unpack "$dir/validation_test.xz" build-gpu/tests/bsattn_validation_test
   [ -f "$dir/bench.so.xz" ] && unpack "$dir/bench.so.xz" build-gpu/bench/gpu/libbsattn_bench.so
   chmod +x build-gpu/tests/bsattn_*
-  # NCCL (the NCCL transport): the toolkit's, else the nvidia-nccl wheel's next to PyTorch.
-  nccl=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
-  [ -n "$nccl" ] && export LD_LIBRARY_PATH="$nccl/lib:${LD_LIBRARY_PATH:-}"
+  source tests/gpu/nccl_env.sh
   if ! build-gpu/tests/bsattn_gpu_test --gtest_list_tests > /dev/null 2> "$OUT/prebuilt.log"; then
     ldd build-gpu/tests/bsattn_gpu_test >> "$OUT/prebuilt.log" 2>&1
     cat "$OUT/prebuilt.log"
